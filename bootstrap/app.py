@@ -1,0 +1,163 @@
+"""The registry's HTTP API (DESIGN §9), built once from a RegistryConfig and a store.
+
+Handlers are plain `def`s: FastAPI runs them on its thread pool, where the blocking
+Redis client is fine and the memory store's lock is a plain threading lock.
+
+No `from __future__ import annotations` here: the PUT body model is built per app (its
+ttl_s bounds come from the config, so the OpenAPI spec states them), and FastAPI can only
+resolve such a local class from a real annotation, not from a string.
+"""
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Path, Query, Response
+from pydantic import BaseModel, Field, create_model
+
+from bootstrap.auth import require_token
+from bootstrap.body_limit import BodyLimitMiddleware
+from bootstrap.config import RegistryConfig
+from bootstrap.errors import ApiError, ErrorBody, install_error_handlers
+from bootstrap.lifecycle import DeleteOutcome, PutOutcome
+from bootstrap.record import ID_PATTERN, SERVER_FIELDS, NodeRegistration, RegisteredNode, Role
+from bootstrap.store.base import NodeStore
+
+log = logging.getLogger("pdserve.registry")
+
+NodeIdPath = Annotated[str, Path(pattern=ID_PATTERN, max_length=128)]
+InstanceQuery = Annotated[
+    str | None,
+    Query(pattern=ID_PATTERN, max_length=128, description="only delete this instance's record"),
+]
+
+
+class NodeList(BaseModel):
+    nodes: list[RegisteredNode]
+
+
+class Health(BaseModel):
+    status: str
+    store: str
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody} for code in codes}
+
+
+def registration_model(config: RegistryConfig) -> type[NodeRegistration]:
+    """The PUT body: NodeRegistration with this registry's ttl_s bounds in its schema."""
+    ttl_field = Field(
+        default=None,
+        ge=config.min_ttl_s,
+        le=config.max_ttl_s,
+        allow_inf_nan=False,
+        description=f"seconds; default {config.default_ttl_s}",
+    )
+    return create_model(
+        "NodeRegistration", __base__=NodeRegistration, ttl_s=(float | None, ttl_field)
+    )
+
+
+def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        store.close()
+
+    app = FastAPI(title="pdserve registry", version="1", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+
+    Registration = registration_model(config)
+    auth = [Depends(require_token(config.token))] if config.token else []
+    write_deps, read_deps = auth, (auth if config.token_reads else [])
+    auth_errors = (401,) if auth else ()
+    read_auth_errors = auth_errors if config.token_reads else ()
+
+    @app.put(
+        "/v1/nodes/{node_id}",
+        response_model=RegisteredNode,
+        dependencies=write_deps,
+        responses={
+            201: {"model": RegisteredNode, "description": "Created (no live record before)"},
+            **_errors(*auth_errors, 409, 413, 422, 503),
+        },
+    )
+    def put_node(node_id: NodeIdPath, body: Registration, response: Response) -> Any:
+        """Register or renew a node (a heartbeat is a full PUT of the record)."""
+        incoming = _incoming(config, node_id, body)
+        outcome, record = store.put(incoming, incoming.pop("ttl_s"))
+        if outcome is PutOutcome.SUPERSEDED:
+            raise ApiError(
+                409,
+                f"instance {body.instance_id} of node {node_id} was replaced by a newer one",
+                "instance_superseded",
+            )
+        if outcome is PutOutcome.CREATED:
+            response.status_code = 201
+        if outcome is PutOutcome.RENEWED:
+            log.debug("renewed %s", node_id)
+        else:
+            log.info("%s %s (%s, instance %s)", outcome.value, node_id, body.role, body.instance_id)
+        return record
+
+    @app.delete(
+        "/v1/nodes/{node_id}",
+        status_code=204,
+        dependencies=write_deps,
+        responses=_errors(*auth_errors, 404, 409, 422, 503),
+    )
+    def delete_node(node_id: NodeIdPath, instance_id: InstanceQuery = None) -> Response:
+        """Deregister a node; with `instance_id`, only if that instance still owns it."""
+        outcome = store.delete(node_id, instance_id)
+        if outcome is DeleteOutcome.NOT_FOUND:
+            raise ApiError(404, f"node {node_id} is not registered", "node_not_found")
+        if outcome is DeleteOutcome.INSTANCE_MISMATCH:
+            raise ApiError(
+                409, f"node {node_id} is now owned by another instance", "instance_mismatch"
+            )
+        log.info("deleted %s", node_id)
+        return Response(status_code=204)
+
+    @app.get(
+        "/v1/nodes",
+        response_model=NodeList,
+        dependencies=read_deps,
+        responses=_errors(*read_auth_errors, 422, 503),
+    )
+    def list_nodes(role: Role | None = None) -> Any:
+        """Live nodes, sorted by node_id, optionally of one role."""
+        return {"nodes": store.list(role)}
+
+    @app.get(
+        "/v1/nodes/{node_id}",
+        response_model=RegisteredNode,
+        dependencies=read_deps,
+        responses=_errors(*read_auth_errors, 404, 422, 503),
+    )
+    def get_node(node_id: NodeIdPath) -> Any:
+        record = store.get(node_id)
+        if record is None:
+            raise ApiError(404, f"node {node_id} is not registered", "node_not_found")
+        return record
+
+    @app.get("/health", response_model=Health, responses=_errors(503))
+    def health() -> Any:
+        """Liveness and store reachability; always open (probes carry no token)."""
+        store.ping()
+        return {"status": "ok", "store": store.kind}
+
+    return app
+
+
+def _incoming(config: RegistryConfig, node_id: str, body: NodeRegistration) -> dict[str, Any]:
+    """The record to store: path's node_id, TTL within bounds, no server-owned fields."""
+    if body.node_id is not None and body.node_id != node_id:
+        message = f"body.node_id {body.node_id!r} differs from the path's {node_id!r}"
+        raise ApiError(422, message, "invalid_input")
+    ttl_s = config.default_ttl_s if body.ttl_s is None else body.ttl_s
+    data = body.model_dump(mode="json")
+    fields = {k: v for k, v in data.items() if k not in SERVER_FIELDS and k != "node_id"}
+    return {"node_id": node_id, **fields, "ttl_s": ttl_s}

@@ -1,0 +1,113 @@
+"""`pdserve registry`: flags -> RegistryConfig -> store -> uvicorn.
+
+Imported by `pdserve.cli` for every command, so only argparse and the config dataclass
+load at import time; FastAPI, uvicorn and redis load inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from bootstrap.config import LOG_LEVELS, ConfigError, RegistryConfig
+
+_DEFAULTS = RegistryConfig()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "registry",
+        help="run the bootstrap registry (node discovery with TTL heartbeats)",
+        description="Bootstrap registry: nodes register and heartbeat, the router and "
+        "decode nodes look them up (DESIGN §7, §9).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = _DEFAULTS
+    p.add_argument("--host", default=d.host, help="address to bind")
+    p.add_argument("--port", type=int, default=d.port, help="port to bind (0: any free port)")
+    p.add_argument(
+        "--store",
+        default=d.store,
+        help="'memory' (embedded, one process) or redis://HOST:PORT/DB (shared by replicas)",
+    )
+    p.add_argument("--key-prefix", default=d.key_prefix, help="prefix of every Redis key")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--token", default=None, help="bearer token required for PUT/DELETE")
+    tok.add_argument(
+        "--token-file", type=Path, default=None, help="read --token from this file instead"
+    )
+    p.add_argument(
+        "--token-reads", action="store_true", help="also require the token for GET /v1/nodes*"
+    )
+    p.add_argument(
+        "--default-ttl",
+        type=float,
+        default=d.default_ttl_s,
+        help="seconds a record lives when its registration names no ttl_s",
+    )
+    p.add_argument("--min-ttl", type=float, default=d.min_ttl_s, help="smallest ttl_s accepted")
+    p.add_argument("--max-ttl", type=float, default=d.max_ttl_s, help="largest ttl_s accepted")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413"
+    )
+    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RegistryConfig:
+    token = args.token
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file: {exc}") from None
+    return RegistryConfig(
+        host=args.host,
+        port=args.port,
+        store=args.store,
+        key_prefix=args.key_prefix,
+        token=token,
+        token_reads=args.token_reads,
+        default_ttl_s=args.default_ttl,
+        min_ttl_s=args.min_ttl,
+        max_ttl_s=args.max_ttl,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"pdserve registry: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("pdserve.registry")
+
+    import uvicorn
+
+    from bootstrap.app import create_app
+    from bootstrap.store import StoreUnavailable, open_store
+
+    try:
+        store = open_store(config.store, key_prefix=config.key_prefix)
+        store.ping()  # fail fast: a registry that cannot reach its store serves nothing
+    except (StoreUnavailable, ValueError) as exc:
+        print(f"pdserve registry: cannot use store {config.store!r}: {exc}", file=sys.stderr)
+        return 1
+    log.info("config %s", config.describe())
+    # Access logs only at debug: every node heartbeats every TTL/3.
+    uvicorn.run(
+        create_app(config, store),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.log_level == "debug",
+    )
+    return 0

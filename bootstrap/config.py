@@ -1,0 +1,69 @@
+"""`RegistryConfig`: every knob of `pdserve registry`, one CLI flag each, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the CLI prints it and exits non-zero."""
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    host: str = "127.0.0.1"
+    port: int = 8998
+    # "memory" (embedded, one process) or a Redis URL (replicas share it, restarts keep it).
+    store: str = "memory"
+    # Redis keys live under this prefix, so one Redis can hold several registries.
+    key_prefix: str = "pdserve:registry:"
+    # Bearer token for writes (PUT/DELETE); None: writes are open.
+    token: str | None = None
+    # Also require the token on reads (GET /v1/nodes...); /health stays open for probes.
+    token_reads: bool = False
+    # TTL of a record whose registration names none; nodes renew every TTL/3.
+    default_ttl_s: float = 10.0
+    # Bounds on a requested TTL: too short floods the registry, too long keeps the dead.
+    min_ttl_s: float = 0.5
+    max_ttl_s: float = 3600.0
+    # Request bodies above this many bytes get a 413 before any parsing.
+    max_body_bytes: int = 65536
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.store != "memory" and not self.store.startswith(REDIS_SCHEMES):
+            raise ConfigError(
+                f"--store must be 'memory' or a redis://HOST:PORT/DB URL, got {self.store!r}"
+            )
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("--token must not be empty")
+        if self.token_reads and self.token is None:
+            raise ConfigError("--token-reads needs --token (or --token-file)")
+        if not 0 < self.min_ttl_s <= self.default_ttl_s <= self.max_ttl_s <= 86400:
+            raise ConfigError(
+                "need 0 < --min-ttl <= --default-ttl <= --max-ttl <= 86400, got "
+                f"{self.min_ttl_s}, {self.default_ttl_s}, {self.max_ttl_s}"
+            )
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+
+    def describe(self) -> dict[str, object]:
+        """Config for the startup log line, secrets masked."""
+        data = dataclasses.asdict(self)
+        if self.token is not None:
+            data["token"] = "***"
+        scheme, sep, rest = self.store.partition("://")
+        if sep and "@" in rest.split("/", 1)[0]:  # redis://user:password@host
+            data["store"] = f"{scheme}://***@{rest.split('@', 1)[1]}"
+        return data

@@ -1,0 +1,63 @@
+"""Configuration of the KV transfer layer.
+
+Every knob lives here; nothing is read from the environment. The only environment
+variables touched are Mooncake's own ``MC_*`` ones, which we *set* from this config
+right before creating a Mooncake engine (see ``backends/mooncake.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["mooncake", "tcp"]
+MooncakeProtocol = Literal["tcp", "rdma"]
+
+# Mooncake poisons an engine->peer path for good on batches above 2048 entries
+# (kvcache-ai/Mooncake#4209); 1024 leaves a safety margin.
+MAX_BATCH_ENTRIES_LIMIT = 1024
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How a node moves KV pages. Defaults follow SGLang (300 s timeouts, 5 s x 2 heartbeat)."""
+
+    backend: Backend = "mooncake"
+    # Interface the control socket (and the tcp backend's data socket) binds to.
+    host: str = "127.0.0.1"
+    mooncake_protocol: MooncakeProtocol = "tcp"
+    # RDMA device name for Mooncake ("" lets Mooncake pick / not needed for tcp).
+    device_name: str = ""
+    # Prefill: how long a sender may wait for its decode peer's request.
+    # Decode: how long a receiver may wait for the prefill to accept its request.
+    bootstrap_timeout_s: float = 300.0
+    # How long an accepted room may take until all its KV has arrived. Also bounds one
+    # blocking engine call (Mooncake's MC_TRANSFER_TIMEOUT is set from it).
+    transfer_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 5.0
+    # A peer silent for heartbeat_interval_s * heartbeat_misses is dead; all its rooms fail.
+    heartbeat_misses: int = 2
+    # End-to-end CRC32 of every sent page, verified by the receiver.
+    checksum: bool = False
+    max_batch_entries: int = MAX_BATCH_ENTRIES_LIMIT
+    # Bound of the control loops' sleep; deadlines are checked at this granularity.
+    tick_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("mooncake", "tcp"):
+            raise ValueError(f"unknown transfer backend {self.backend!r} (mooncake|tcp)")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"unknown mooncake protocol {self.mooncake_protocol!r} (tcp|rdma)")
+        if not 1 <= self.max_batch_entries <= MAX_BATCH_ENTRIES_LIMIT:
+            raise ValueError(f"max_batch_entries must be in [1, {MAX_BATCH_ENTRIES_LIMIT}]")
+        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
+                     "tick_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.heartbeat_misses < 1:
+            raise ValueError("heartbeat_misses must be >= 1")
+
+    @property
+    def heartbeat_deadline_s(self) -> float:
+        """Silence after which a peer counts as dead."""
+        return self.heartbeat_interval_s * self.heartbeat_misses

@@ -1,0 +1,274 @@
+"""Decode role: the control thread that owns one DEALER per prefill peer and the
+receiver rooms.
+
+Heartbeat: while we have live rooms with a prefill we ping it every interval; a prefill
+silent for interval * misses is dead and all its rooms fail at once (it cannot write any
+more). A room failing for a local reason (timeout, abort, bad status, checksum) first
+asks the prefill to stop (Abort) and is reported Failed only when the prefill confirms
+(AbortAck / Failed status) or the heartbeat bound passes: the scheduler frees a room's
+pages on Failed, so Failed must mean "no write can land any more".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from kv_transfer.args import KVArgs
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.loop import ControlLoop
+from kv_transfer.memory import crc_regions, page_regions
+from kv_transfer.messages import (
+    MAX_MESSAGE_BYTES,
+    Abort,
+    AbortAck,
+    BadMessage,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    Request,
+    Status,
+    decode,
+    encode,
+)
+from kv_transfer.metrics import TransferStats
+from kv_transfer.poll import KVPoll, RoomStatus
+from kv_transfer.rooms import ReceiverRoom
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    endpoint: str
+    sock: zmq.Socket
+    live: set[int] = field(default_factory=set)
+    last_heard: float = 0.0
+    next_ping: float = 0.0
+    seq: int = 0
+    instance: str | None = None
+    registered: bool = False
+
+
+class DecodeControl(ControlLoop):
+    def __init__(self, args: KVArgs, config: KVTransferConfig, register: Register,
+                 stats: TransferStats) -> None:
+        super().__init__("kv-decode-control", config.tick_s)
+        self._args, self._cfg, self._register, self._stats = args, config, register, stats
+        self._identity = register.instance.encode()
+        self._rooms: dict[int, ReceiverRoom] = {}
+        self._peers: dict[str, PrefillPeer] = {}
+        self._dst_bufs = args.layer_buffers()
+
+    # ---- operations posted by KVReceiver ----------------------------------------------
+
+    def add_receiver(self, room: int, status: RoomStatus, endpoint: str) -> None:
+        if room in self._rooms:
+            return self._fail_status(status, "duplicate room: a receiver for it is live")
+        self._stats.inc("rooms_started")
+        # No deadline before init(): the scheduler may hold the request in its
+        # pre-allocation queue; the prefill's own bootstrap timeout bounds that wait.
+        self._rooms[room] = ReceiverRoom(room, status, endpoint, deadline=math.inf)
+
+    def init_receiver(self, room: int, dst_pages: list[int], meta_slot: int,
+                      prefix_len: int) -> None:
+        r = self._rooms.get(room)
+        if r is None or r.status.state == KVPoll.Failed or r.abort_reason:
+            return
+        reason = self._check_init(r, dst_pages, meta_slot, prefix_len)
+        peer = self._peer(r.endpoint) if reason is None else None
+        if reason is None and peer is None:
+            reason = f"bad prefill endpoint {r.endpoint!r}"
+        if reason is not None or peer is None:
+            return self._finish(r, reason or "invalid init")
+        r.dst_pages, r.meta_slot, r.requested = dst_pages, meta_slot, True
+        r.started_at = time.monotonic()
+        r.deadline = r.started_at + self._cfg.bootstrap_timeout_s
+        if not peer.live:  # idle connection: refresh registration, restart liveness clock
+            peer.registered = False
+            peer.last_heard = time.monotonic()
+        if not peer.registered:
+            self._send(peer, self._register)
+            peer.registered = True
+        peer.live.add(room)
+        self._send(peer, Request(room, dst_pages, meta_slot, prefix_len))
+
+    def _check_init(self, r: ReceiverRoom, dst_pages: list[int], meta_slot: int,
+                    prefix_len: int) -> str | None:
+        a = self._args
+        if r.requested:
+            return "invalid init: called twice"
+        if any(not 0 <= p < a.num_pages for p in dst_pages):
+            return "invalid init: destination page index out of range"
+        if len(set(dst_pages)) != len(dst_pages):
+            return "invalid init: duplicate destination page"
+        if a.meta_ptrs and not 0 <= meta_slot < a.meta_rows:
+            return "invalid init: metadata slot out of range"
+        if prefix_len < 0 or prefix_len % a.layout.page_size:
+            return "invalid init: prefix_len is not whole pages"
+        return None
+
+    def abort_receiver(self, room: int, reason: str) -> None:
+        if (r := self._rooms.get(room)) is not None:
+            self._local_fail(r, f"aborted by decode: {reason}")
+
+    # ---- room machinery ---------------------------------------------------------------
+
+    def _fail_status(self, status: RoomStatus, reason: str) -> None:
+        if status.fail(reason):
+            self._stats.room_failed(reason)
+            log.info("kv receiver failed: %s", reason)
+
+    def _finish(self, r: ReceiverRoom, failure: str | None = None) -> None:
+        """Remove the room; with `failure`, it becomes Failed (no write can land any more)."""
+        if failure is not None:
+            self._fail_status(r.status, failure)
+        self._rooms.pop(r.room, None)
+        if (peer := self._peers.get(r.endpoint)) is not None:
+            peer.live.discard(r.room)
+
+    def _local_fail(self, r: ReceiverRoom, reason: str) -> None:
+        if r.abort_reason is not None or r.status.state.terminal:
+            return
+        peer = self._peers.get(r.endpoint)
+        if not r.requested or peer is None or r.room not in peer.live:
+            return self._finish(r, reason)
+        r.abort_reason = reason
+        r.abort_deadline = time.monotonic() + self._cfg.heartbeat_deadline_s
+        self._send(peer, Abort(r.room, reason[:256]))
+
+    def _on_status(self, peer: PrefillPeer, msg: Status) -> None:
+        r = self._rooms.get(msg.room)
+        if r is None or r.endpoint != peer.endpoint or not r.requested:
+            return  # finished rooms are never resurrected by late messages
+        if r.abort_reason is not None:
+            if msg.state == KVPoll.Failed:
+                self._finish(r, r.abort_reason)
+            return
+        if msg.state == KVPoll.Failed:
+            return self._finish(r, f"prefill: {msg.reason or 'failed'}")
+        if msg.state == KVPoll.WaitingForInput:
+            if r.status.advance(KVPoll.WaitingForInput):
+                r.deadline = time.monotonic() + self._cfg.transfer_timeout_s
+            return
+        if msg.state not in (KVPoll.Transferring, KVPoll.Success):
+            return self._local_fail(r, f"bad status from prefill: state {msg.state}")
+        self._on_progress(r, msg)
+
+    def _on_progress(self, r: ReceiverRoom, msg: Status) -> None:
+        last = msg.state == KVPoll.Success
+        if msg.start != r.next_pos or not msg.start <= msg.end <= len(r.dst_pages) or (
+                last and msg.end != len(r.dst_pages)):
+            return self._local_fail(r, f"bad status from prefill: pages [{msg.start}, "
+                                       f"{msg.end}) after {r.next_pos} of {len(r.dst_pages)}")
+        if self._cfg.checksum and msg.checksum != self._checksum(r, msg.start, msg.end, last):
+            self._stats.inc("checksum_failures")
+            return self._local_fail(r, "checksum mismatch")
+        r.next_pos = msg.end
+        r.status.advance(KVPoll.Transferring)
+        if last and r.status.advance(KVPoll.Success):
+            self._stats.inc("rooms_succeeded")
+            self._stats.inc("bytes_received", self._room_bytes(r))
+            self._stats.observe_latency(time.monotonic() - r.started_at)
+            self._finish(r)
+
+    def _checksum(self, r: ReceiverRoom, start: int, end: int, last: bool) -> int:
+        regions = list(page_regions(self._dst_bufs, r.dst_pages[start:end],
+                                    self._args.page_bytes))
+        if last:
+            regions += [self._args.meta_row(b, r.meta_slot)
+                        for b in range(len(self._args.meta_ptrs))]
+        return crc_regions(regions)
+
+    def _room_bytes(self, r: ReceiverRoom) -> int:
+        kv = len(r.dst_pages) * self._args.page_bytes * len(self._dst_bufs)
+        return kv + sum(self._args.meta_row_bytes)
+
+    # ---- network ----------------------------------------------------------------------
+
+    def _peer(self, endpoint: str) -> PrefillPeer | None:
+        if (peer := self._peers.get(endpoint)) is not None:
+            return peer
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        try:
+            sock.connect(f"tcp://{endpoint}")
+        except zmq.ZMQError:
+            sock.close(0)
+            return None
+        peer = PrefillPeer(endpoint, sock, last_heard=time.monotonic())
+        self._peers[endpoint] = peer
+        self.add_socket(sock, lambda frames, p=peer: self._on_frames(p, frames))
+        return peer
+
+    def _send(self, peer: PrefillPeer, msg: Message) -> None:
+        try:
+            peer.sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # queue full / peer unreachable: the heartbeat fails its rooms
+
+    def _on_frames(self, peer: PrefillPeer, frames: list[bytes]) -> None:
+        peer.last_heard = time.monotonic()
+        try:
+            if len(frames) != 1:
+                raise BadMessage("unexpected multipart control message")
+            msg = decode(frames[0], (Status, AbortAck, Pong))
+        except BadMessage as exc:
+            self._stats.inc("bad_messages")
+            log.warning("kv control: bad message from prefill %s: %s", peer.endpoint, exc)
+            if exc.room is not None and (r := self._rooms.get(exc.room)) is not None:
+                if r.endpoint == peer.endpoint:
+                    self._local_fail(r, f"bad control message: {exc}")
+            return
+        if isinstance(msg, Status):
+            self._on_status(peer, msg)
+        elif isinstance(msg, AbortAck):
+            r = self._rooms.get(msg.room)
+            if r is not None and r.endpoint == peer.endpoint and r.abort_reason is not None:
+                self._finish(r, r.abort_reason)
+        elif isinstance(msg, Pong):
+            self._on_pong(peer, msg)
+
+    def _on_pong(self, peer: PrefillPeer, msg: Pong) -> None:
+        if peer.instance is not None and msg.instance != peer.instance:
+            self._peer_lost(peer, "prefill peer restarted")
+        peer.instance = msg.instance
+        if not msg.registered and peer.live:
+            self._send(peer, self._register)
+
+    def _peer_lost(self, peer: PrefillPeer, reason: str) -> None:
+        for room in list(peer.live):
+            if (r := self._rooms.get(room)) is not None:
+                self._finish(r, r.abort_reason or reason)
+        peer.live.clear()
+        peer.registered = False
+
+    # ---- deadlines and heartbeats -----------------------------------------------------
+
+    def on_tick(self, now: float) -> None:
+        for peer in self._peers.values():
+            if not peer.live:
+                continue
+            if now - peer.last_heard > self._cfg.heartbeat_deadline_s:
+                log.warning("kv control: prefill %s silent; failing its rooms", peer.endpoint)
+                self._peer_lost(peer, "prefill peer heartbeat lost")
+            elif now >= peer.next_ping:
+                peer.seq += 1
+                self._send(peer, Ping(peer.seq))
+                peer.next_ping = now + self._cfg.heartbeat_interval_s
+        for r in list(self._rooms.values()):
+            if r.abort_reason is not None:
+                if now > r.abort_deadline:
+                    self._finish(r, r.abort_reason)
+            elif now > r.deadline:
+                self._local_fail(r, "bootstrap timeout: prefill never accepted the room"
+                                 if r.status.state == KVPoll.Bootstrapping
+                                 else "transfer timeout")

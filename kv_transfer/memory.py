@@ -1,0 +1,49 @@
+"""Raw-memory helpers: views over registered buffers, copies, and the end-to-end CRC.
+
+The CRC covers a chunk's pages in a canonical order both sides can reproduce from their
+own pointers: for every layer buffer (K of all layers, then V), the chunk's pages in
+stream order; then, on the last chunk, the metadata rows. crc32(a + b) equals
+crc32(b, crc32(a)), so merging adjacent pages into one region does not change the value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+from collections.abc import Iterable, Sequence
+
+
+def view(ptr: int, length: int) -> memoryview:
+    """A writable byte view of `length` bytes at address `ptr` (must stay alive)."""
+    return memoryview((ctypes.c_char * length).from_address(ptr)).cast("B")
+
+
+def write_bytes(ptr: int, data: bytes | memoryview) -> None:
+    view(ptr, len(data))[:] = data
+
+
+def read_bytes(ptr: int, length: int) -> bytes:
+    return ctypes.string_at(ptr, length)
+
+
+def page_regions(bufs: Sequence[int], pages: Sequence[int],
+                 page_bytes: int) -> Iterable[tuple[int, int]]:
+    """Canonical (pointer, length) order of `pages` over `bufs`, adjacent pages merged."""
+    for buf in bufs:
+        start, count = None, 0
+        for p in pages:
+            if start is not None and p == start + count:
+                count += 1
+                continue
+            if start is not None:
+                yield buf + start * page_bytes, count * page_bytes
+            start, count = p, 1
+        if start is not None:
+            yield buf + start * page_bytes, count * page_bytes
+
+
+def crc_regions(regions: Iterable[tuple[int, int]], crc: int = 0) -> int:
+    # zlib.crc32 releases the GIL on large buffers, so this does not stall other threads.
+    for ptr, length in regions:
+        crc = zlib.crc32(view(ptr, length), crc)
+    return crc

@@ -1,0 +1,73 @@
+"""Room states and the monotone cell that holds one room's state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from enum import IntEnum
+
+
+class KVPoll(IntEnum):
+    """State of one room's transfer; ordered, and a room only moves forward.
+
+    Failed is the smallest value so that `state < WaitingForInput`-style checks treat it as
+    "not ready", but it is sticky: once Failed (or Success) nothing changes any more.
+    """
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+    @property
+    def terminal(self) -> bool:
+        return self in (KVPoll.Failed, KVPoll.Success)
+
+
+class RoomStatus:
+    """Thread-safe monotone state of a room plus the reason it failed.
+
+    Background threads advance it; the scheduler reads it through poll(). Reads need no
+    lock (a single attribute load); transitions take one so that the check-then-set is
+    atomic between the control and transfer threads.
+    """
+
+    __slots__ = ("_state", "_reason", "_lock", "created_at", "finished_at")
+
+    def __init__(self) -> None:
+        self._state = KVPoll.Bootstrapping
+        self._reason: str | None = None
+        self._lock = threading.Lock()
+        self.created_at = time.monotonic()
+        self.finished_at: float | None = None
+
+    @property
+    def state(self) -> KVPoll:
+        return self._state
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    def advance(self, new: KVPoll) -> bool:
+        """Move forward to `new` (never backward, never out of a terminal state)."""
+        if new == KVPoll.Failed:
+            raise ValueError("use fail() to fail a room")
+        with self._lock:
+            if self._state.terminal or new <= self._state:
+                return False
+            self._state = new
+            if new == KVPoll.Success:
+                self.finished_at = time.monotonic()
+            return True
+
+    def fail(self, reason: str) -> bool:
+        """Fail the room unless it already finished; the first reason wins."""
+        with self._lock:
+            if self._state.terminal:
+                return False
+            self._state = KVPoll.Failed
+            self._reason = reason
+            self.finished_at = time.monotonic()
+            return True

@@ -1,0 +1,344 @@
+"""Prefill role: the control thread that owns the bound ROUTER socket and sender rooms.
+
+Decode peers connect, register their buffers once, then send one Request per room.
+A Request may arrive before the scheduler created the room's sender (router sends to
+both nodes at once); it waits in `_pending` for up to the bootstrap timeout. Every state
+change happens on this thread; the transfer thread only writes and reports back.
+
+Invariant: a Failed status (and an AbortAck) goes to the decode only when no job of that
+room is in flight, so after it the decode may reuse the room's pages safely.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import zmq
+
+from kv_transfer.args import KVArgs
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.loop import ControlLoop
+from kv_transfer.memory import page_regions, write_bytes
+from kv_transfer.messages import (
+    MAX_MESSAGE_BYTES,
+    Abort,
+    AbortAck,
+    BadMessage,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    Request,
+    Status,
+    decode,
+    encode,
+)
+from kv_transfer.metrics import TransferStats
+from kv_transfer.poll import KVPoll, RoomStatus
+from kv_transfer.prefill_peers import DecodePeer, check_register, check_request
+from kv_transfer.rooms import Chunk, SenderRoom
+from kv_transfer.runs import kv_entries, page_runs
+from kv_transfer.worker import JobResult, TransferJob
+
+log = logging.getLogger(__name__)
+_MAX_PENDING = 1 << 16  # requests waiting for their sender
+_MAX_FINISHED = 1 << 16  # remembered finished rooms, so late messages never resurrect one
+
+
+class PrefillControl(ControlLoop):
+    def __init__(self, args: KVArgs, config: KVTransferConfig, backend: str, instance: str,
+                 stats: TransferStats, submit: Callable[[TransferJob], None],
+                 forget_peer: Callable[[str], None]) -> None:
+        super().__init__("kv-prefill-control", config.tick_s)
+        self._args, self._cfg, self._backend, self._instance = args, config, backend, instance
+        self._stats, self._submit_job, self._forget_peer = stats, submit, forget_peer
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.endpoint = f"{config.host}:{router.bind_to_random_port(f'tcp://{config.host}')}"
+        self._router = router
+        self.add_socket(router, self._on_frames)
+        self._rooms: dict[int, SenderRoom] = {}
+        self._pending: dict[int, tuple[bytes, Request, float]] = {}
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._peers: dict[bytes, DecodePeer] = {}
+        self._src_bufs = args.layer_buffers()
+
+    # ---- operations posted by KVSender ------------------------------------------------
+
+    def add_sender(self, room: int, status: RoomStatus) -> None:
+        if room in self._rooms:
+            self._fail_status(status, "duplicate room: a sender for it is live")
+            return
+        self._finished.pop(room, None)
+        r = SenderRoom(room, status, deadline=time.monotonic() + self._cfg.bootstrap_timeout_s)
+        self._rooms[room] = r
+        self._stats.inc("rooms_started")
+        if (pending := self._pending.pop(room, None)) is not None:
+            self._accept(r, pending[0], pending[1])
+
+    def init_sender(self, room: int, num_pages: int, meta_slot: int) -> None:
+        if (r := self._live(room)) is None:
+            return
+        if r.num_pages is not None:
+            self._fail(r, "invalid init: called twice")
+        elif not 0 < num_pages <= self._args.num_pages:
+            self._fail(r, f"invalid init: num_pages {num_pages} out of range")
+        elif self._args.meta_ptrs and not 0 <= meta_slot < self._args.meta_rows:
+            self._fail(r, f"invalid init: metadata slot {meta_slot} out of range")
+        else:
+            r.num_pages, r.meta_slot = num_pages, meta_slot
+            self._flush(r)
+
+    def send(self, room: int, pages: list[int], last: bool,
+             metadata: list[bytes] | None) -> None:
+        if (r := self._live(room)) is None:
+            return
+        if r.sent_last:
+            return self._fail(r, "invalid send: after the last chunk")
+        if any(not 0 <= p < self._args.num_pages for p in pages):
+            return self._fail(r, "invalid send: page index out of range")
+        if metadata is not None and not self._write_metadata(r, metadata):
+            return
+        r.chunks.append(Chunk(pages, last))
+        r.sent_last = last
+        if r.first_send_at is None:
+            r.first_send_at = time.monotonic()
+        self._flush(r)
+
+    def abort_sender(self, room: int, reason: str) -> None:
+        if (r := self._rooms.get(room)) is not None:
+            self._fail(r, f"aborted by prefill: {reason}")
+
+    def on_result(self, res: JobResult) -> None:
+        """A job finished on the transfer thread (posted here by the manager)."""
+        r = self._rooms.get(res.job.room)
+        if r is None:
+            return
+        r.inflight -= 1
+        if res.ok:
+            self._stats.inc("bytes_sent", res.job.entries.nbytes)
+        if r.status.state == KVPoll.Failed:
+            return self._notify_failed(r)
+        if not res.ok:
+            return self._fail(r, res.reason or "transfer failed")
+        job = res.job
+        state = KVPoll.Success if job.last else KVPoll.Transferring
+        self._reply(r.peer, Status(r.room, int(state), job.start, job.end, res.checksum, ""))
+        if job.last and r.status.advance(KVPoll.Success):
+            self._stats.inc("rooms_succeeded")
+            self._stats.observe_latency(time.monotonic() - (r.first_send_at or 0.0))
+            self._finish(r)
+
+    # ---- room machinery ---------------------------------------------------------------
+
+    def _live(self, room: int) -> SenderRoom | None:
+        r = self._rooms.get(room)
+        return r if r is not None and r.status.state != KVPoll.Failed else None
+
+    def _write_metadata(self, r: SenderRoom, metadata: list[bytes]) -> bool:
+        sizes = self._args.meta_row_bytes
+        if r.num_pages is None:
+            self._fail(r, "invalid send: metadata before init")
+        elif len(metadata) != len(sizes) or any(len(m) != n for m, n in zip(metadata, sizes,
+                                                                            strict=True)):
+            self._fail(r, "invalid send: metadata rows do not match the metadata buffers")
+        else:
+            for b, row in enumerate(metadata):
+                write_bytes(self._args.meta_row(b, r.meta_slot)[0], row)
+            return True
+        return False
+
+    def _accept(self, r: SenderRoom, ident: bytes, req: Request) -> None:
+        if r.request is not None or (r.peer is not None and r.peer != ident):
+            self._reply(ident, Status(r.room, int(KVPoll.Failed), 0, 0, 0, "duplicate request"))
+            return self._fail(r, "duplicate request for the room")
+        r.peer = ident  # from here on, failures of this room are reported to this peer
+        peer = self._peers.get(ident)
+        reason = "decode peer not registered" if peer is None else check_request(
+            req, peer, self._args.layout.page_size)
+        if reason is not None:
+            return self._fail(r, reason)
+        r.request = req
+        r.status.advance(KVPoll.WaitingForInput)
+        r.deadline = time.monotonic() + self._cfg.transfer_timeout_s
+        self._reply(ident, Status(r.room, int(KVPoll.WaitingForInput), 0, 0, 0, ""))
+        self._flush(r)
+
+    def _flush(self, r: SenderRoom) -> None:
+        """Hand queued chunks to the transfer thread once request and init are known."""
+        if r.status.state == KVPoll.Failed or r.request is None or r.num_pages is None:
+            return
+        req, n = r.request, r.num_pages
+        prefix = req.prefix_len // self._args.layout.page_size
+        if prefix + len(req.dst_pages) != n:
+            return self._fail(r, f"page-count mismatch: prefill has {n} pages, decode expects "
+                                 f"{prefix} prefix + {len(req.dst_pages)} pages")
+        peer = self._peers.get(r.peer) if r.peer is not None else None
+        if peer is None:
+            return self._fail(r, "decode peer gone")
+        while r.chunks:
+            chunk = r.chunks.pop(0)
+            start, end = r.cursor, r.cursor + len(chunk.pages)
+            if end > n or (chunk.last and end != n):
+                return self._fail(r, f"page-count mismatch: send covers pages [{start}, {end}) "
+                                     f"of {n}{' (last)' if chunk.last else ''}")
+            r.cursor = end
+            self._submit(r, peer, chunk, start, end, prefix)
+
+    def _submit(self, r: SenderRoom, peer: DecodePeer, chunk: Chunk, start: int, end: int,
+                prefix: int) -> None:
+        # Stream pages below `prefix` are already on the decode node: skip them.
+        skip = min(len(chunk.pages), max(0, prefix - start))
+        src = chunk.pages[skip:]
+        pos0, pos1 = max(start, prefix) - prefix, max(end, prefix) - prefix
+        assert r.request is not None
+        dst = r.request.dst_pages[pos0:pos1]
+        page_bytes = self._args.page_bytes
+        entries = kv_entries(page_runs(src, dst), self._src_bufs, peer.dst_buffers(), page_bytes)
+        crc = list(page_regions(self._src_bufs, src, page_bytes)) if self._cfg.checksum else None
+        if chunk.last:
+            for b in range(len(self._args.meta_ptrs)):
+                ptr, size = self._args.meta_row(b, r.meta_slot)
+                entries.add(ptr, peer.meta_row(b, r.request.meta_slot), size)
+                if crc is not None:
+                    crc.append((ptr, size))
+        r.status.advance(KVPoll.Transferring)
+        r.inflight += 1
+        self._submit_job(TransferJob(r.room, r.status, peer.session, entries, pos0, pos1,
+                                     chunk.last, crc))
+
+    def _fail_status(self, status: RoomStatus, reason: str) -> None:
+        if status.fail(reason):
+            self._stats.room_failed(reason)
+            log.info("kv sender failed: %s", reason)
+
+    def _fail(self, r: SenderRoom, reason: str) -> None:
+        self._fail_status(r.status, reason)
+        r.chunks.clear()
+        self._notify_failed(r)
+
+    def _notify_failed(self, r: SenderRoom) -> None:
+        if r.inflight:
+            return  # the transfer thread may still write; report once it is done
+        if r.peer is not None:
+            self._reply(r.peer, Status(r.room, int(KVPoll.Failed), 0, 0, 0,
+                                       r.status.reason or "failed"))
+        if r.abort_ack_to is not None:
+            self._reply(r.abort_ack_to, AbortAck(r.room))
+        self._finish(r)
+
+    def _finish(self, r: SenderRoom) -> None:
+        self._rooms.pop(r.room, None)
+        self._finished[r.room] = None
+        while len(self._finished) > _MAX_FINISHED:
+            self._finished.popitem(last=False)
+
+    # ---- network ----------------------------------------------------------------------
+
+    def _reply(self, ident: bytes | None, msg: Message) -> None:
+        if ident is None:
+            return
+        try:
+            self._router.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # peer gone or its queue full: its heartbeat handling takes over
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._stats.inc("bad_messages")
+            return
+        ident, payload = frames
+        if (peer := self._peers.get(ident)) is not None:
+            peer.last_seen, peer.declared_dead = time.monotonic(), False
+        try:
+            msg = decode(payload, (Register, Request, Abort, Ping))
+        except BadMessage as exc:
+            return self._on_bad(ident, exc)
+        if isinstance(msg, Register):
+            reason = check_register(msg, self._args, self._backend)
+            self._peers[ident] = DecodePeer(ident, msg, reason, time.monotonic())
+        elif isinstance(msg, Ping):
+            self._reply(ident, Pong(msg.seq, self._instance, ident in self._peers))
+        elif isinstance(msg, Request):
+            self._on_request(ident, msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(ident, msg)
+
+    def _on_request(self, ident: bytes, req: Request) -> None:
+        if ident not in self._peers:
+            reason = "decode peer not registered"
+        elif (r := self._rooms.get(req.room)) is not None:
+            return self._accept(r, ident, req)
+        elif req.room in self._finished:
+            reason = "room already finished"
+        elif (other := self._pending.pop(req.room, None)) is not None:
+            reason = "duplicate request"
+            self._reply(other[0], Status(req.room, int(KVPoll.Failed), 0, 0, 0, reason))
+        elif len(self._pending) >= _MAX_PENDING:
+            reason = "too many requests for rooms without a sender"
+        else:
+            self._pending[req.room] = (ident, req, time.monotonic())
+            return
+        self._reply(ident, Status(req.room, int(KVPoll.Failed), 0, 0, 0, reason))
+
+    def _on_abort(self, ident: bytes, msg: Abort) -> None:
+        if (pending := self._pending.get(msg.room)) is not None and pending[0] == ident:
+            del self._pending[msg.room]
+        r = self._rooms.get(msg.room)
+        if r is None or r.peer != ident:
+            self._reply(ident, AbortAck(msg.room))  # nothing of ours writes there
+            return
+        r.abort_ack_to = ident
+        if r.status.state == KVPoll.Failed:
+            return self._notify_failed(r)
+        self._fail(r, f"aborted by decode: {msg.reason}")
+
+    def _on_bad(self, ident: bytes, exc: BadMessage) -> None:
+        self._stats.inc("bad_messages")
+        log.warning("kv control: bad message from a decode peer: %s", exc)
+        if exc.room is None:
+            return
+        if (pending := self._pending.get(exc.room)) is not None and pending[0] == ident:
+            del self._pending[exc.room]
+        r = self._rooms.get(exc.room)
+        reason = f"bad control message: {exc}"
+        if r is not None and r.peer in (None, ident):
+            r.peer = ident
+            self._fail(r, reason)
+        else:
+            self._reply(ident, Status(exc.room, int(KVPoll.Failed), 0, 0, 0, reason))
+
+    # ---- deadlines and heartbeats -----------------------------------------------------
+
+    def on_tick(self, now: float) -> None:
+        hb = self._cfg.heartbeat_deadline_s
+        silent = {i for i, p in self._peers.items() if now - p.last_seen > hb}
+        for r in list(self._rooms.values()):
+            if r.status.state == KVPoll.Failed:
+                continue
+            if r.peer in silent:
+                self._declare_dead(self._peers[r.peer])
+                self._fail(r, "decode peer heartbeat lost")
+            elif now > r.deadline:
+                self._fail(r, "bootstrap timeout: no request from decode" if r.request is None
+                           else "transfer timeout")
+        for room, (ident, _, t) in list(self._pending.items()):
+            if now - t > self._cfg.bootstrap_timeout_s:
+                del self._pending[room]
+                self._reply(ident, Status(room, int(KVPoll.Failed), 0, 0, 0,
+                                          "unknown room: no sender within the bootstrap timeout"))
+        idle = max(60.0, 4 * hb)
+        live_peers = {r.peer for r in self._rooms.values()}
+        for ident in [i for i in silent if i not in live_peers]:
+            if now - self._peers[ident].last_seen > idle:
+                del self._peers[ident]
+
+    def _declare_dead(self, peer: DecodePeer) -> None:
+        if not peer.declared_dead:
+            peer.declared_dead = True
+            log.warning("kv control: decode peer %s silent; failing its rooms", peer.session)
+            self._forget_peer(peer.session)

@@ -1,0 +1,134 @@
+"""The single transfer thread of a prefill manager.
+
+All engine calls happen here, never on the scheduler's thread (a call can block for the
+whole transfer timeout on a frozen peer) and never on two threads at once (concurrent
+large batches poison Mooncake's path to a peer; more threads are also slower on small
+machines). Jobs run in FIFO order, so the chunks of one room are written in order.
+
+Recovery: when a write fails but the peer still answers a probe, the engine->peer path is
+presumed poisoned; the engine is re-created, memory re-registered and the batch retried
+once. A dead peer does not answer the probe, so its rooms simply fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kv_transfer.backends.base import TransferBackend
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.memory import crc_regions
+from kv_transfer.metrics import TransferStats
+from kv_transfer.poll import KVPoll, RoomStatus
+from kv_transfer.runs import Entries
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class TransferJob:
+    """One send() of one room: entries for all layers (and metadata rows when last)."""
+
+    room: int
+    status: RoomStatus
+    session: str
+    entries: Entries
+    start: int  # destination-page positions [start, end) covered by this job
+    end: int
+    last: bool
+    crc_regions: list[tuple[int, int]] | None  # canonical source regions, checksums only
+
+
+@dataclass
+class JobResult:
+    job: TransferJob
+    ok: bool
+    skipped: bool  # the room had failed before (or while) it was written
+    reason: str | None
+    checksum: int
+
+
+class TransferWorker:
+    def __init__(self, backend: TransferBackend, config: KVTransferConfig,
+                 stats: TransferStats, on_result: Callable[[JobResult], None]) -> None:
+        self._backend = backend
+        self._config = config
+        self._stats = stats
+        self._on_result = on_result
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: TransferJob) -> None:
+        self._queue.put(job)
+
+    def call(self, fn: Callable[[TransferBackend], T]) -> Future[T]:
+        """Run fn(backend) on the transfer thread (engine access is single-threaded)."""
+        fut: Future[T] = Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if isinstance(item, TransferJob):
+                    self._on_result(self._process(item))
+                else:
+                    fn, fut = item
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn(self._backend))
+                        except BaseException as exc:
+                            fut.set_exception(exc)
+            except Exception:  # never let one bad job kill the node's only transfer thread
+                log.exception("kv transfer thread: unexpected error")
+
+    def _process(self, job: TransferJob) -> JobResult:
+        for batch in job.entries.batches(self._config.max_batch_entries):
+            if job.status.state == KVPoll.Failed:
+                return JobResult(job, ok=False, skipped=True, reason=None, checksum=0)
+            reason = self._write(job.session, batch)
+            if reason is not None:
+                return JobResult(job, ok=False, skipped=False, reason=reason, checksum=0)
+        crc = crc_regions(job.crc_regions) if job.crc_regions is not None else 0
+        return JobResult(job, ok=True, skipped=False, reason=None, checksum=crc)
+
+    def _write(self, session: str, batch: Entries) -> str | None:
+        rc = self._counted_write(session, batch)
+        if rc == 0:
+            return None
+        if not self._backend.probe(session):
+            return f"transfer failed: peer {session} unreachable (rc={rc})"
+        log.warning("kv transfer: write to live peer %s failed (rc=%d); re-creating engine",
+                    session, rc)
+        self.recreate()
+        rc = self._counted_write(session, batch)
+        return None if rc == 0 else f"transfer failed: write to {session} rc={rc} after " \
+                                    "engine re-create"
+
+    def _counted_write(self, session: str, batch: Entries) -> int:
+        t0 = time.perf_counter()
+        rc = self._backend.write(session, batch)
+        self._stats.inc("engine_calls")
+        self._stats.inc("engine_entries", len(batch))
+        if rc != 0:
+            self._stats.inc("engine_failures")
+            log.debug("kv write rc=%d after %.3fs", rc, time.perf_counter() - t0)
+        return rc
+
+    def recreate(self) -> None:
+        """Transfer thread only (or via call()): fresh engine, same registered memory."""
+        self._backend.recreate()
+        self._stats.inc("engine_recreations")

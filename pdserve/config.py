@@ -1,0 +1,92 @@
+"""Engine configuration: one frozen dataclass, built once (from the CLI or `LLM(**kw)`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of the engine core. Each field is one `--flag` on the node CLIs."""
+
+    model: str = "tiny-llama"
+    dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's dtype on CUDA
+    device: str = "auto"  # auto = cuda when available, else cpu
+    page_size: int = 16
+    max_running_requests: int = 64
+    max_total_tokens: int = 0  # KV pool size in tokens; 0 = derive from --kv-cache-mb
+    kv_cache_mb: int = 512
+    context_length: int = 0  # 0 = the model's max_position_embeddings
+    chunked_prefill_size: int = 2048  # tokens of one request per prefill batch; 0 = no chunking
+    max_prefill_tokens: int = 4096  # token budget of one prefill batch
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
+    disable_prefix_cache: bool = False
+    disable_overlap: bool = False
+    decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
+    seed: int = 0
+    model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.chunked_prefill_size < 0 or self.max_prefill_tokens < 1:
+            raise ValueError("chunked_prefill_size must be >= 0 and max_prefill_tokens >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto|cpu|cuda[:N], got {self.device!r}")
+
+    @property
+    def overlap(self) -> bool:
+        return not self.disable_overlap
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Register one flag per field (booleans as store_true)."""
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action="store_true", help=_HELP.get(f.name, ""))
+            else:
+                typ = int if f.type in ("int", int) else str
+                group.add_argument(
+                    flag, type=typ, default=f.default,
+                    help=f"{_HELP.get(f.name, '')} (default: {f.default!r})",
+                )
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+_HELP = {
+    "model": "built-in name (smollm2-135m, tiny-llama, tiny-qwen2) or a local HF folder",
+    "dtype": "weight and KV dtype: auto|bfloat16|float16|float32",
+    "device": "auto|cpu|cuda[:N]",
+    "page_size": "tokens per KV page",
+    "max_running_requests": "most requests in the running batch",
+    "max_total_tokens": "KV pool size in tokens (0: from --kv-cache-mb)",
+    "kv_cache_mb": "KV pool size in MiB when --max-total-tokens is 0",
+    "context_length": "longest prompt+output (0: model's limit)",
+    "chunked_prefill_size": "most prompt tokens of one request per prefill batch (0: off)",
+    "max_prefill_tokens": "token budget of one prefill batch",
+    "schedule_policy": "fcfs or lpm (longest prefix match first)",
+    "disable_prefix_cache": "turn the radix prefix cache off",
+    "disable_overlap": "use the normal loop instead of the overlapped one",
+    "decode_reserve_tokens": "KV tokens reserved per running request for future decode steps",
+    "seed": "seed of the engine's sampler for unseeded requests",
+    "model_cache_dir": "where built-in models are converted/generated (default: user cache)",
+}

@@ -1,0 +1,155 @@
+"""The engine: wires model, KV memory, scheduler, executor and loop; one `step()` API.
+
+Used directly by the offline `LLM` and, in a scheduler process, by the node servers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.executor import InlineExecutor, ThreadedExecutor
+from pdserve.engine.future_map import FutureMap
+from pdserve.engine.kv_manager import KVManager
+from pdserve.engine.loops import NormalLoop, OverlapLoop
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.request import Req
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.staging import StagingRing
+from pdserve.memory.kv_pool import KVLayout, KVPool
+from pdserve.memory.req_to_token import ReqToTokenPool
+from pdserve.models.loader import LoadedModel, load_model
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.device = cfg.torch_device()
+        self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, self.device,
+                                              cfg.model_cache_dir)
+        self.tokenizer = load_tokenizer(self.loaded.path)
+        hf = self.loaded.hf_config
+        self.context_length = min(cfg.context_length or self.loaded.context_length,
+                                  self.loaded.context_length)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.layout = KVLayout(hf.num_hidden_layers, hf.num_key_value_heads, head_dim,
+                               self.loaded.dtype, cfg.page_size)
+        self.kv_pool = KVPool(self.layout, self._num_pages(), self.device)
+        req_pool = ReqToTokenPool(cfg.max_running_requests + 1, self.context_length + 1)
+        self.kv = KVManager(self.kv_pool, req_pool, use_cache=not cfg.disable_prefix_cache)
+        self.future_map = FutureMap(cfg.max_running_requests, self.device)
+        self.staging = StagingRing(self.device)
+        self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging)
+        runner = ModelRunner(self.loaded.model, self.kv_pool, self.future_map,
+                             Sampler(self.device, cfg.seed), self.device)
+        self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length)
+        if cfg.overlap:
+            self.executor = ThreadedExecutor(runner)
+            self.loop = OverlapLoop(self.sched, self.executor, self.out)
+        else:
+            self.executor = InlineExecutor(runner)
+            self.loop = NormalLoop(self.sched, self.executor, self.out)
+        self.requests: dict[str, Req] = {}
+
+    def _num_pages(self) -> int:
+        tokens = self.cfg.max_total_tokens or (self.cfg.kv_cache_mb << 20) // \
+            self.layout.bytes_per_token
+        return max(2, tokens // self.cfg.page_size)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.kv_pool.num_pages * self.cfg.page_size
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req:
+        """Validate and enqueue. Raises ValueError with a readable message on bad input."""
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        params.validate()
+        self._check_prompt(prompt_ids, params)
+        req = Req(rid, prompt_ids, params, self.loaded.eos_token_ids)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(params.seed)
+        self.requests[rid] = req
+        self.sched.add(req)
+        return req
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.hf_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.context_length:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context limit is "
+                             f"{self.context_length} tokens (prompt + output)")
+        need = min(len(ids) + params.max_new_tokens, self.context_length)
+        if need > self.max_total_tokens:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                             f"({params.max_new_tokens}) needs more KV than the pool holds "
+                             f"({self.max_total_tokens} tokens)")
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self.out.finish(req, "abort")
+        return True
+
+    # -- running ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.sched.has_work() or bool(getattr(self.loop, "results", None))
+
+    def step(self) -> list[Req]:
+        """One loop iteration; returns the requests that finished in it."""
+        try:
+            self.loop.step()
+        except Exception:
+            log.exception("engine step failed; failing every live request")
+            self._fail_all("internal error in the forward pass")
+            raise
+        done, self.out.finished = self.out.finished, []
+        for req in done:
+            self.requests.pop(req.rid, None)
+        return done
+
+    def _fail_all(self, message: str) -> None:
+        for req in list(self.sched.running) + list(self.sched.waiting):
+            req.error = message
+            self.out.finish(req, "error", cache_it=False)
+        results = getattr(self.loop, "results", None)
+        if results:
+            results.clear()
+        self.out.mark_idle()
+
+    def run_until_idle(self) -> list[Req]:
+        done: list[Req] = []
+        while self.has_work():
+            done.extend(self.step())
+        self.loop.drain()
+        return done
+
+    # -- introspection ---------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        return self.kv.stats()
+
+    def pools_full(self) -> bool:
+        """True when no request holds KV or a slot (cached prefixes count as free)."""
+        return self.kv.idle_is_full()
+
+    def close(self) -> None:
+        self.executor.close()

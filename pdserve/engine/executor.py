@@ -1,0 +1,116 @@
+"""Executors: where the forward runs.
+
+`InlineExecutor` runs it on the scheduler thread (normal loop). `ThreadedExecutor` runs it
+on a dedicated forward thread (overlap loop): torch releases the GIL inside its kernels, so
+on CPU the scheduler's Python work really runs beside the forward. On CUDA the forward
+uses its own stream; the sampled tokens are copied to pinned host memory on a copy stream
+and a CUDA event says when they are there. A `ResultHandle` is what the scheduler keeps
+in its result queue; `tokens()` blocks only when the scheduler really needs the values.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from pdserve.engine.batch import Batch
+from pdserve.engine.model_runner import ModelRunner
+
+
+class ResultHandle:
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._tokens: list[int] | None = None
+        self._error: BaseException | None = None
+        self._host: torch.Tensor | None = None
+        self._event = None  # torch.cuda.Event when the copy is asynchronous
+
+    def _set(self, host: torch.Tensor | None, event=None, error: BaseException | None = None):
+        self._host, self._event, self._error = host, event, error
+        self._done.set()
+
+    def ready(self) -> bool:
+        return self._done.is_set() and (self._event is None or self._event.query())
+
+    def tokens(self) -> list[int]:
+        """Sampled token ids of the batch's sampling rows (blocks until available)."""
+        if self._tokens is None:
+            self._done.wait()
+            if self._error is not None:
+                raise RuntimeError(f"forward failed: {self._error}") from self._error
+            if self._event is not None:
+                self._event.synchronize()
+            self._tokens = self._host.tolist() if self._host is not None else []
+        return self._tokens
+
+
+class InlineExecutor:
+    """Forward on the caller's thread; the result is ready when `launch` returns."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def launch(self, batch: Batch) -> ResultHandle:
+        handle = ResultHandle()
+        try:
+            tokens = self.runner.run(batch)
+            handle._set(tokens.to("cpu"))
+        except Exception as exc:  # surfaced to the scheduler through tokens()
+            handle._set(None, error=exc)
+        return handle
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadedExecutor:
+    """Forward on a dedicated thread, fed in launch order by a queue."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self._jobs: queue.Queue = queue.Queue()
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            self.copy_stream = torch.cuda.Stream(self.device)
+        self._thread = threading.Thread(target=self._loop, name="pdserve-forward", daemon=True)
+        self._thread.start()
+
+    def launch(self, batch: Batch) -> ResultHandle:
+        handle = ResultHandle()
+        self._jobs.put((batch, handle))
+        return handle
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            batch, handle = job
+            try:
+                self._run_one(batch, handle)
+            except Exception as exc:
+                handle._set(None, error=exc)
+
+    def _run_one(self, batch: Batch, handle: ResultHandle) -> None:
+        if self.device.type != "cuda":
+            handle._set(self.runner.run(batch))
+            return
+        with torch.cuda.stream(self.stream):
+            tokens = self.runner.run(batch)
+        self.copy_stream.wait_stream(self.stream)
+        with torch.cuda.stream(self.copy_stream):
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        tokens.record_stream(self.copy_stream)
+        handle._set(host, event)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)

@@ -1,0 +1,98 @@
+"""The two scheduling loops, side by side (DESIGN §4). Each `step()` is one iteration.
+
+normal:  schedule -> run -> process result. The device idles while the CPU processes the
+         result and builds the next batch.
+overlap: schedule N+1 and launch it, then process the result of N while N+1 runs.
+         `results` holds (batch snapshot, handle) pairs; its depth is at most 2 right after
+         a launch and 1 between steps. Overlap is skipped for one batch when the scheduler
+         needs every in-flight result first (retraction), or for back-to-back prefill batches
+         (the first prefill's tokens then reach the client before the second prefill runs);
+         each skip is counted by reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+from pdserve.engine.batch import Batch
+from pdserve.engine.executor import InlineExecutor, ResultHandle, ThreadedExecutor
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.scheduler import NEED_SYNC, Scheduler
+
+
+class LoopStats:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.batches = 0
+        self.sched_cpu_s = 0.0  # scheduler-thread CPU time spent building and processing
+        self.overlap_disabled: Counter[str] = Counter()
+
+
+class NormalLoop:
+    def __init__(self, sched: Scheduler, executor: InlineExecutor, out: OutputProcessor) -> None:
+        self.sched, self.executor, self.out = sched, executor, out
+        self.stats = LoopStats()
+
+    def step(self) -> None:
+        self.stats.steps += 1
+        t0 = time.thread_time()
+        batch = self.sched.next_batch(in_flight=False)
+        t1 = time.thread_time()
+        if batch is None:
+            self.out.mark_idle()
+            return
+        handle = self.executor.launch(batch)  # runs the forward right here
+        t2 = time.thread_time()
+        self.out.process(batch, handle)
+        self.stats.batches += 1
+        self.stats.sched_cpu_s += (t1 - t0) + (time.thread_time() - t2)
+
+    def drain(self) -> None:
+        self.out.mark_idle()
+
+
+class OverlapLoop:
+    def __init__(self, sched: Scheduler, executor: ThreadedExecutor,
+                 out: OutputProcessor) -> None:
+        self.sched, self.executor, self.out = sched, executor, out
+        self.results: deque[tuple[Batch, ResultHandle]] = deque()
+        self.stats = LoopStats()
+        self.max_depth = 0
+
+    def step(self) -> None:
+        self.stats.steps += 1
+        t0 = time.thread_time()
+        batch = self.sched.next_batch(in_flight=bool(self.results))
+        if batch == NEED_SYNC:
+            self.stats.overlap_disabled["retract"] += 1
+            self._process_all()
+            batch = self.sched.next_batch(in_flight=False)
+        if batch is not None and batch.kind == "extend" and self._last_kind() == "extend":
+            self.stats.overlap_disabled["consecutive_prefill"] += 1
+            self._process_all()
+        if batch is not None:
+            self.results.append((batch, self.executor.launch(batch)))
+            self.stats.batches += 1
+            self.max_depth = max(self.max_depth, len(self.results))
+        # Process the previous batch's result while the one just launched runs.
+        if len(self.results) > 1 or (batch is None and self.results):
+            self._process_one()
+        elif batch is None:
+            self.out.mark_idle()
+        self.stats.sched_cpu_s += time.thread_time() - t0
+
+    def _last_kind(self) -> str | None:
+        return self.results[-1][0].kind if self.results else None
+
+    def _process_one(self) -> None:
+        batch, handle = self.results.popleft()
+        self.out.process(batch, handle)
+
+    def _process_all(self) -> None:
+        while self.results:
+            self._process_one()
+
+    def drain(self) -> None:
+        self._process_all()
+        self.out.mark_idle()

@@ -1,0 +1,44 @@
+"""Runs one packed batch on the device: resolve futures, forward, sample, store futures."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.batch import Batch
+from pdserve.engine.future_map import FutureMap
+from pdserve.engine.sampler import Sampler, SamplingBatch
+from pdserve.memory.kv_pool import KVPool
+from pdserve.models.llama import AttnMeta, CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_pool: KVPool, future_map: FutureMap,
+                 sampler: Sampler, device: torch.device) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.future_map = future_map
+        self.sampler = sampler
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Forward + sample; returns sampled token ids [R] on the device."""
+        t = batch.packed.to_device(self.device)
+        b, lq = t["q_pos"].shape
+        lk = t["kv_indices"].shape[1]
+        key_pos = torch.arange(lk, device=self.device)
+        # [B, 1, Lq, Lk]: causal within the row; padded query rows see key 0 only (no NaN).
+        mask = (key_pos.view(1, 1, lk) <= t["q_pos"].view(b, lq, 1)).unsqueeze(1)
+        meta = AttnMeta(
+            out_cache_loc=t["out_cache_loc"], kv_indices=t["kv_indices"], mask=mask,
+            q_index=None if lq == 1 else t["q_index"], batch=b, max_q=lq,
+        )
+        input_ids = self.future_map.resolve(t["input_ids"])
+        if t["logit_rows"].numel() == 0:  # a middle chunk only: nothing to sample
+            self.model(input_ids, t["positions"], meta, self.kv_pool, t["logit_rows"])
+            return t["logit_rows"]
+        logits = self.model(input_ids, t["positions"], meta, self.kv_pool, t["logit_rows"])
+        tokens = self.sampler(logits, SamplingBatch(
+            t["temperature"], t["top_p"], t["top_k"], list(batch.generators), batch.all_greedy))
+        self.future_map.store(t["future_ids"], tokens)
+        return tokens

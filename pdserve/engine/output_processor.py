@@ -1,0 +1,97 @@
+"""Result processing: turn a finished forward into request progress.
+
+For each sampling row: append the token, check stop conditions, finish the request.
+Pages of finished requests are not freed here directly: a batch launched before the
+finish may still write them, so they are released once every batch launched up to the
+finish has been processed (`defer_release`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.engine.batch import Batch
+from pdserve.engine.executor import ResultHandle
+from pdserve.engine.kv_manager import KVManager
+from pdserve.engine.request import Req
+from pdserve.engine.scheduler import Scheduler
+
+
+class OutputProcessor:
+    def __init__(self, sched: Scheduler, kv: KVManager, tokenizer, context_length: int) -> None:
+        self.sched = sched
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self._pending: list[tuple[int, Req, bool]] = []  # (release after seq, req, cache_it)
+        self.processed_seq = 0
+        self.finished: list[Req] = []  # drained by the engine's caller
+        self.generated_tokens = 0
+
+    def process(self, batch: Batch, handle: ResultHandle) -> None:
+        tokens = handle.tokens()
+        now = time.perf_counter()
+        for row, tok in zip(batch.sampled_rows, tokens, strict=True):
+            req = row.req
+            if req.finished:  # finished (or aborted) after this batch was launched
+                continue
+            if req.future_id == row.future_id:
+                req.future_id = 0
+            req.output_ids.append(tok)
+            self.generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req)
+            if reason:
+                self.finish(req, reason)
+        self.processed_seq = batch.seq
+        self._release_ready()
+
+    def _stop_reason(self, req: Req) -> str | None:
+        tok, p = req.output_ids[-1], req.params
+        if tok in req.eos_ids or tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self._hit_stop_string(req):
+            return "stop"
+        if len(req.output_ids) >= p.max_new_tokens:
+            return "length"
+        if len(req.prompt_ids) + len(req.output_ids) >= self.context_length:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, req: Req) -> bool:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in req.params.stop if s in text]
+        if not hits:
+            return False
+        req.text = text[: min(hits)]
+        return True
+
+    def finish(self, req: Req, reason: str, cache_it: bool = True) -> None:
+        """End `req` now; free its KV once no launched batch can touch it."""
+        if req.finished:
+            return
+        if not req.text and req.output_ids:
+            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        req.finish(reason)
+        self.sched.remove(req)
+        self.finished.append(req)
+        if req.slot is not None:
+            self._pending.append((self.sched.seq, req, cache_it))
+            self._release_ready()
+
+    def _release_ready(self) -> None:
+        keep = []
+        for seq, req, cache_it in self._pending:
+            if seq <= self.processed_seq:
+                self.kv.release(req, cache_it)
+            else:
+                keep.append((seq, req, cache_it))
+        self._pending = keep
+
+    def mark_idle(self) -> None:
+        """No batch in flight: everything launched has been processed."""
+        self.processed_seq = self.sched.seq
+        self._release_ready()
+
+

@@ -1,0 +1,83 @@
+"""A request: owns its state, its request slot and its KV pages (DESIGN §2, §3).
+
+Positions and lengths (all in tokens):
+- `fill_ids` = prompt + outputs known at admission; prefill computes KV for all of them.
+- `kv_len`: positions whose KV is written, or will be once the launched batches finish.
+- `cached_len`: leading positions whose pages belong to the radix cache (locked by us).
+- `launched_outputs`: tokens sampled by launched batches; `len(output_ids)` lags behind it
+  by the batches whose results are not processed yet (overlap mode).
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+
+class ReqState(Enum):
+    WAITING = "waiting"  # in the waiting queue, needs (re-)prefill
+    RUNNING = "running"  # prefilling (chunks) or decoding
+    FINISHED = "finished"  # done; its pages are released once no launched batch reads them
+
+
+class Req:
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                 eos_ids: list[int]) -> None:
+        self.rid = rid
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.eos_ids = [] if params.ignore_eos else list(eos_ids)
+        self.output_ids: list[int] = []
+        self.state = ReqState.WAITING
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.cache_node = None
+        self.cached_len = 0
+        self.kv_len = 0
+        self.fill_ids: list[int] = []
+        self.launched_outputs = 0
+        self.future_id = 0  # placeholder of the newest unprocessed sample; 0 = none
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.retractions = 0
+        self.text = ""
+        self.generator: torch.Generator | None = None
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    # -- lengths -------------------------------------------------------------
+    @property
+    def prefill_done(self) -> bool:
+        return bool(self.fill_ids) and self.kv_len >= len(self.fill_ids)
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.fill_ids) - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+    def wants_more_launches(self) -> bool:
+        """False once launched samples reach max_new_tokens: the length stop is predictable,
+        so the overlap loop never launches a decode row that would be thrown away."""
+        return self.launched_outputs < self.params.max_new_tokens
+
+    def last_token_for_input(self) -> int:
+        """Input id of the next decode step: the real token, or a FutureMap placeholder."""
+        return -self.future_id if self.future_id else self.output_ids[-1]
+
+    def prepare_fill(self) -> None:
+        """Set what a (re-)prefill must compute: prompt plus outputs known so far."""
+        self.fill_ids = self.prompt_ids + self.output_ids
+        self.launched_outputs = len(self.output_ids)
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.state = ReqState.FINISHED
+        self.finish_time = time.perf_counter()

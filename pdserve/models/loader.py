@@ -1,0 +1,92 @@
+"""Load a local HF folder into our `CausalLM`: config check, safetensors weights, dtype."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.models.builtin import resolve_model
+from pdserve.models.llama import SUPPORTED_ARCHS, CausalLM
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    hf_config: object
+    model: CausalLM
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: list[int]
+    context_length: int
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    raw = json.loads((path / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHS for a in archs):
+        raise ValueError(
+            f"unsupported architecture {archs or raw.get('model_type')!r} in {path}: "
+            f"pdserve serves {', '.join(SUPPORTED_ARCHS)}"
+        )
+    return AutoConfig.from_pretrained(path)
+
+
+def pick_dtype(name: str, cfg, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are slow on most CPUs
+    ckpt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    return ckpt if isinstance(ckpt, torch.dtype) else DTYPES.get(str(ckpt), torch.bfloat16)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def eos_ids(path: Path, cfg) -> list[int]:
+    ids = getattr(cfg, "eos_token_id", None)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def load_model(name: str, dtype: str, device: torch.device, cache_dir: str = "") -> LoadedModel:
+    path = resolve_model(name, cache_dir)
+    cfg = load_hf_config(path)
+    torch_dtype = pick_dtype(dtype, cfg, device)
+    model = CausalLM(cfg)
+    state = _read_weights(path)
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    if model.tie:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"weights of {path} do not fit: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.to(device=device, dtype=torch_dtype).eval()
+    model.rotary.inv_freq = model.rotary.inv_freq.float()  # rope stays fp32 like HF
+    ctx = int(getattr(cfg, "max_position_embeddings", 2048))
+    window = getattr(cfg, "sliding_window", None)
+    if window and (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        ctx = min(ctx, int(window))  # inside the window, full attention is exact
+    return LoadedModel(path, cfg, model, torch_dtype, device, eos_ids(path, cfg), ctx)

@@ -1,0 +1,98 @@
+"""Redis store specifics: replicas share one view, restarts lose nothing, Redis expires."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import uuid
+
+import httpx
+from registry_harness import RedisPrefix, RedisProxy, node_record, store_args, wait_for
+
+
+def _ids(url: str, role: str | None = None) -> set[str]:
+    params = {"role": role} if role else None
+    return {n["node_id"] for n in httpx.get(f"{url}/v1/nodes", params=params).json()["nodes"]}
+
+
+def test_two_replicas_see_the_same_nodes(start_registry, redis_prefix: RedisPrefix) -> None:
+    args = [*store_args("redis", redis_prefix), "--token", "t"]
+    a, b = start_registry(*args), start_registry(*args)
+    auth = {"Authorization": "Bearer t"}
+
+    # 100 registrations spread over both replicas, in parallel.
+    records = [node_record(role=("prefill", "decode")[i % 2]) for i in range(100)]
+
+    clients = [httpx.Client(base_url=r.url, headers=auth) for r in (a, b)]
+
+    def put(i_record: tuple[int, dict]) -> int:
+        i, record = i_record
+        return clients[i % 2].put(f"/v1/nodes/{record['node_id']}", json=record).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        assert set(pool.map(put, enumerate(records))) == {201}
+    for client in clients:
+        client.close()
+    ids = {r["node_id"] for r in records}
+    assert _ids(a.url) == _ids(b.url) == ids
+    assert _ids(a.url, "decode") == _ids(b.url, "decode") == {r["node_id"] for r in records[1::2]}
+
+    # A restart registered through A is seen through B, with the replacement visible.
+    restarted = dict(records[0], instance_id=uuid.uuid4().hex)
+    httpx.put(f"{a.url}/v1/nodes/{restarted['node_id']}", json=restarted, headers=auth)
+    seen = httpx.get(f"{b.url}/v1/nodes/{restarted['node_id']}").json()
+    assert seen["instance_id"] == restarted["instance_id"]
+    assert seen["previous_instance_id"] == records[0]["instance_id"] and seen["generation"] == 2
+
+    # A delete through B is a delete through A.
+    gone = records[1]["node_id"]
+    assert httpx.delete(f"{b.url}/v1/nodes/{gone}", headers=auth).status_code == 204
+    assert httpx.get(f"{a.url}/v1/nodes/{gone}").status_code == 404
+
+
+def test_registry_restart_keeps_every_node(start_registry, redis_prefix: RedisPrefix) -> None:
+    registry = start_registry(*store_args("redis", redis_prefix), "--token", "t")
+    auth = {"Authorization": "Bearer t"}
+    before = {}
+    with httpx.Client(base_url=registry.url, headers=auth) as client:
+        for i in range(20):
+            record = node_record(role=("prefill", "decode")[i % 2], ttl_s=60)
+            resp = client.put(f"/v1/nodes/{record['node_id']}", json=record)
+            before[record["node_id"]] = resp.json()
+
+    registry.restart()
+
+    after = {n["node_id"]: n for n in httpx.get(f"{registry.url}/v1/nodes").json()["nodes"]}
+    assert after == before
+
+
+def test_ttl_is_a_redis_expiry_and_keys_stay_under_the_prefix(
+    start_registry, redis_prefix: RedisPrefix
+) -> None:
+    registry = start_registry(*store_args("redis", redis_prefix), "--token", "t")
+    record = node_record(ttl_s=5)
+    url = f"{registry.url}/v1/nodes/{record['node_id']}"
+    assert httpx.put(url, json=record, headers={"Authorization": "Bearer t"}).status_code == 201
+    key = f"{redis_prefix.prefix}node:{record['node_id']}"
+    assert 4000 < redis_prefix.client.pttl(key) <= 5000  # Redis itself forgets dead nodes
+    assert set(redis_prefix.keys()) == {key, f"{redis_prefix.prefix}index"}
+
+
+def test_redis_outage_is_503_and_recovers(start_registry, redis_prefix: RedisPrefix) -> None:
+    # The registry talks to Redis through a TCP proxy the test can cut and restore.
+    with RedisProxy(redis_prefix.url) as proxy:
+        registry = start_registry("--store", proxy.url, "--key-prefix", redis_prefix.prefix)
+        record = node_record(ttl_s=60)
+        url = f"{registry.url}/v1/nodes/{record['node_id']}"
+        assert httpx.put(url, json=record).status_code == 201
+
+        proxy.stop()
+        for method in ("GET", "PUT", "DELETE"):
+            resp = httpx.request(method, url, json=record if method == "PUT" else None)
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["code"] == "store_unavailable"
+        assert httpx.get(f"{registry.url}/v1/nodes").status_code == 503
+        assert httpx.get(f"{registry.url}/health").status_code == 503
+
+        proxy.start()
+        wait_for(lambda: httpx.get(f"{registry.url}/health").status_code == 200, 10, "recovery")
+        assert httpx.get(url).json()["instance_id"] == record["instance_id"]
