@@ -82,7 +82,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
         dependencies=write_deps,
         responses={
             201: {"model": RegisteredNode, "description": "Created (no live record before)"},
-            **_errors(*auth_errors, 409, 413, 422, 503),
+            **_errors(400, *auth_errors, 409, 413, 422, 503),  # 400: body bytes not UTF-8
         },
     )
     def put_node(node_id: NodeIdPath, body: Registration, response: Response) -> Any:

@@ -148,7 +148,10 @@ class Heartbeat:
             return previous
         try:
             load = self._load_fn()
-            data = load if isinstance(load, NodeLoad) else NodeLoad.model_validate(load)
+            # Lax here: a callback may well hand over numpy scalars.
+            data = (
+                load if isinstance(load, NodeLoad) else NodeLoad.model_validate(load, strict=False)
+            )
             self._payload["load"] = data.model_dump(mode="json")
         except Exception:
             log.exception("load callback failed; reporting the previous load")

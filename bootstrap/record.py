@@ -31,7 +31,9 @@ SERVER_FIELDS: frozenset[str] = frozenset(
     {"registered_at", "renewed_at", "expires_at", "generation", "previous_instance_id"}
 )
 
-_OPEN = ConfigDict(extra="allow")
+# Strict: a wire format takes the types its schema states (no "16" for 16, no false for
+# 0.0); extra fields are allowed for forward compatibility.
+_OPEN = ConfigDict(extra="allow", strict=True)
 
 
 class KVLayout(BaseModel):

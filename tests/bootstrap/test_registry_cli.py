@@ -1,0 +1,123 @@
+"""`pdserve registry` flags: all listed, bad input refused with a message, light import."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+from registry_harness import REPO
+
+from bootstrap import cli
+from bootstrap.config import RegistryConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_help_lists_every_knob(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parser().parse_args(["registry", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--host",
+        "--port",
+        "--store",
+        "--key-prefix",
+        "--token",
+        "--token-file",
+        "--token-reads",
+        "--default-ttl",
+        "--min-ttl",
+        "--max-ttl",
+        "--max-body-bytes",
+        "--log-level",
+    ):
+        assert flag in text, flag
+
+
+def test_flags_map_onto_the_config(tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    args = _parser().parse_args(
+        [
+            "registry",
+            "--port",
+            "9000",
+            "--store",
+            "redis://h:1/2",
+            "--token-file",
+            str(token_file),
+            "--token-reads",
+            "--default-ttl",
+            "6",
+            "--max-body-bytes",
+            "2048",
+        ]
+    )
+    assert args.func is cli.run
+    config = cli.config_from_args(args)
+    assert config == RegistryConfig(
+        port=9000,
+        store="redis://h:1/2",
+        token="from-file",
+        token_reads=True,
+        default_ttl_s=6.0,
+        max_body_bytes=2048,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--store", "mysql://x"], "--store"),
+        (["--token-reads"], "--token-reads needs --token"),
+        (["--token", ""], "--token must not be empty"),
+        (["--min-ttl", "5", "--default-ttl", "2"], "--min-ttl"),
+        (["--max-body-bytes", "1"], "--max-body-bytes"),
+        (["--port", "99999"], "--port"),
+        (["--token-file", "/nonexistent/token"], "--token-file"),
+    ],
+)
+def test_bad_config_is_refused_with_a_message(argv, fragment, capsys) -> None:
+    assert cli.run(_parser().parse_args(["registry", *argv])) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_unreachable_redis_fails_fast(capsys) -> None:
+    args = _parser().parse_args(["registry", "--store", "redis://127.0.0.1:1/0"])
+    assert cli.run(args) == 1
+    assert "cannot use store" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--port", "abc"], ["--log-level", "loud"], ["--bogus"]])
+def test_malformed_flags_exit_nonzero(argv) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parser().parse_args(["registry", *argv])
+    assert info.value.code == 2
+
+
+def test_occupied_port_exits_nonzero(start_registry) -> None:
+    registry = start_registry()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "registry", "--port", str(registry.port)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode != 0
+
+
+def test_client_and_cli_import_no_heavy_modules() -> None:
+    code = (
+        "import sys, bootstrap.cli, bootstrap.client; "
+        "heavy = {'torch', 'fastapi', 'uvicorn', 'pdserve.engine'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=30)

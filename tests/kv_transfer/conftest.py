@@ -1,0 +1,76 @@
+"""Fixtures: one long-lived prefill/decode process pair per backend (session scope, so
+the ~2 s torch import per process is paid once), fresh victim processes for kill -9
+tests, and a guard that no test leaves a child process behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from kvt_harness import DECODE_PAGES, META_ROWS, Node
+
+BACKENDS = ["mooncake", "tcp"]
+# Short timeouts so fault tests finish fast; heartbeat bound = 0.3 s * 3 = 0.9 s.
+FAST = {"heartbeat_interval_s": 0.3, "heartbeat_misses": 3, "bootstrap_timeout_s": 20.0,
+        "transfer_timeout_s": 20.0, "tick_s": 0.02}
+HEARTBEAT_BOUND_S = FAST["heartbeat_interval_s"] * FAST["heartbeat_misses"]
+
+
+@dataclass
+class Pair:
+    backend: str
+    prefill: Node
+    decode: Node
+    _next_page: int = 0
+    _next_slot: int = 0
+    _rng: random.Random = field(default_factory=lambda: random.Random(1234))
+
+    def block(self, n: int) -> list[int]:
+        """A fresh block of n decode pages no other test uses (decode pool starts zeroed)."""
+        if self._next_page + n > DECODE_PAGES:
+            raise RuntimeError("test decode pool exhausted; raise DECODE_PAGES")
+        start, self._next_page = self._next_page, self._next_page + n
+        return list(range(start, start + n))
+
+    def room(self) -> int:
+        return self._rng.getrandbits(63)
+
+    def slot(self) -> int:
+        """A metadata row index; cycles, so at most META_ROWS rooms may be live at once."""
+        self._next_slot = (self._next_slot + 1) % META_ROWS
+        return self._next_slot
+
+
+def start_nodes(*specs: tuple[str, str, dict]) -> list[Node]:
+    """Start several node processes at once (their torch imports overlap)."""
+    nodes = [Node(role, backend, seed=i + 1, **cfg) for i, (role, backend, cfg) in
+             enumerate(specs)]
+    for n in nodes:
+        n.ready()
+    return nodes
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    backend = request.param
+    prefill, decode = start_nodes(("prefill", backend, FAST), ("decode", backend, FAST))
+    yield Pair(backend, prefill, decode)
+    results = [prefill.close(), decode.close()]
+    # Every manager's threads (control, transfer, tcp server) must have stopped.
+    assert all(all(r.values()) for r in results), results
+
+
+@pytest.fixture(autouse=True)
+def no_stray_children(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = {p.pid for p in mp.active_children()}
+    yield
+    after = {p.pid for p in mp.active_children()}
+    stray = after - before
+    for p in mp.active_children():
+        if p.pid in stray:
+            p.kill()
+            p.join(5)
+    assert not stray, f"test left child processes behind: {stray}"
