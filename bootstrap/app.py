@@ -153,7 +153,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
 
 
 def _incoming(config: RegistryConfig, node_id: str, body: NodeRegistration) -> dict[str, Any]:
-    """The record to store: path's node_id, TTL within bounds, no server-owned fields."""
+    """The record to store: the path's node_id, the TTL defaulted, no server-owned fields."""
     if body.node_id is not None and body.node_id != node_id:
         message = f"body.node_id {body.node_id!r} differs from the path's {node_id!r}"
         raise ApiError(422, message, "invalid_input")

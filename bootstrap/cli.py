@@ -16,14 +16,37 @@ from bootstrap.config import LOG_LEVELS, ConfigError, RegistryConfig
 _DEFAULTS = RegistryConfig()
 
 
+_DESCRIPTION = (
+    "Bootstrap registry: nodes register and heartbeat, the router and decode nodes look "
+    "them up (DESIGN §7, §9)."
+)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `pdserve registry` on the `pdserve` command's subparsers."""
     p = sub.add_parser(
         "registry",
         help="run the bootstrap registry (node discovery with TTL heartbeats)",
-        description="Bootstrap registry: nodes register and heartbeat, the router and "
-        "decode nodes look them up (DESIGN §7, §9).",
+        description=_DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bootstrap.cli [flags]`: the same command without loading the rest of
+    pdserve's CLI (whose other subcommands import the engine)."""
+    p = argparse.ArgumentParser(
+        prog="python -m bootstrap.cli",
+        description=_DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_flags(p)
+    return run(p.parse_args(argv))
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     p.add_argument("--host", default=d.host, help="address to bind")
     p.add_argument("--port", type=int, default=d.port, help="port to bind (0: any free port)")
@@ -54,7 +77,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
     p.set_defaults(func=run)
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> RegistryConfig:
@@ -111,3 +133,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=config.log_level == "debug",
     )
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -155,6 +155,11 @@ class RegistryClient:
         return node
 
     @property
+    def heartbeat(self) -> Heartbeat | None:
+        """The running heartbeat (interval, stats, last answer), None when unregistered."""
+        return self._heartbeat
+
+    @property
     def heartbeat_stats(self) -> HeartbeatStats | None:
         return None if self._heartbeat is None else self._heartbeat.stats()
 

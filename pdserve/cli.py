@@ -15,7 +15,9 @@ import sys
 # (module, attribute) pairs; imported lazily so `pdserve registry` does not pay for torch.
 SUBCOMMANDS: list[str] = [
     "pdserve.commands.generate",
+    "pdserve.server.cli",
     "bootstrap.cli",
+    "pdserve.loadtest.cli",
 ]
 
 
@@ -28,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name == name:  # subcommand not built yet
+            if exc.name and name.startswith(exc.name):  # subcommand not built yet
                 continue
             raise
         module.add_parser(sub)

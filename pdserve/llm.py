@@ -54,22 +54,19 @@ class LLM:
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, ids, SamplingParams(**vars(p)))
             rids.append(rid)
-        cached = {rid: 0 for rid in rids}
         by_rid = {}
         while self.engine.has_work():
-            for rid, req in self.engine.requests.items():
-                if rid in cached and req.cached_len:
-                    cached[rid] = max(cached[rid], req.cached_len)
             for req in self.engine.step():
                 by_rid[req.rid] = req
         self.engine.loop.drain()
-        return [self._output(by_rid[rid], cached[rid]) for rid in rids]
+        return [self._output(by_rid[rid]) for rid in rids]
 
     @staticmethod
-    def _output(req, cached: int) -> Output:
+    def _output(req) -> Output:
         if req.error:
             raise RuntimeError(req.error)
-        return Output(req.prompt_ids, list(req.output_ids), req.text, req.finish_reason, cached)
+        return Output(req.prompt_ids, list(req.output_ids), req.text, req.finish_reason,
+                      req.cached_tokens)
 
     def close(self) -> None:
         self.engine.close()

@@ -25,7 +25,8 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError with a readable message for any out-of-range field."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+            raise ValueError(
+                f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -55,6 +55,8 @@ class KVManager:
             self.cache.lock(node)
             req.cache_node, req.pages = node, list(pages)
             req.cached_len = req.kv_len = len(pages) * self.page_size
+            if req.retractions == 0:
+                req.cached_tokens = req.cached_len
             self.req_pool.write(slot, 0, self.kv.slots_of(req.pages, 0, req.kv_len))
         return True
 

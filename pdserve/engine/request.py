@@ -37,6 +37,7 @@ class Req:
         self.pages: list[int] = []
         self.cache_node = None
         self.cached_len = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (reported)
         self.kv_len = 0
         self.fill_ids: list[int] = []
         self.launched_outputs = 0

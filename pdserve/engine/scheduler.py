@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import deque
 
-
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import Batch, Row, pack_batch
 from pdserve.engine.future_map import FutureMap

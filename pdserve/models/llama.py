@@ -62,7 +62,8 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        h, qd, kd = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = cfg.hidden_size
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, qd, bias=bias)
         self.k_proj = nn.Linear(h, kd, bias=bias)
         self.v_proj = nn.Linear(h, kd, bias=bias)

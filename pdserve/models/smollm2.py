@@ -36,7 +36,8 @@ def convert(out_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
     cfg = gguf_model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+    drop = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")
+    for key in drop:
         cfg.pop(key, None)
     cfg["dtype"] = "bfloat16"
     config = LlamaConfig(**cfg)

@@ -1,6 +1,8 @@
 """Helpers for the registry tests: real registry processes, a real Redis.
 
-Every registry runs as `python -m pdserve.cli registry ...` on a port it picks itself
+Every registry runs as `python -m bootstrap.cli ...` (the code of `pdserve registry`,
+without loading the engine's subcommands; test_registry_cli checks the `pdserve` wiring)
+on a port it picks itself
 (`--port 0`; the port is read from uvicorn's startup line, so two tests never race for
 one) and is stopped by the fixture that started it. Redis keys live under a prefix unique
 to the fixture and are deleted afterwards. (A module with a unique name rather than
@@ -30,14 +32,18 @@ import redis
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("PDSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 TOKEN = "test-token-Zq8"
+ENTRY = [sys.executable, "-m", "bootstrap.cli"]
+PDSERVE_ENTRY = [sys.executable, "-m", "pdserve.cli", "registry"]
 _PORT_LINE = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 class Registry:
     """One registry process; `restart()` brings it back on the same port."""
 
-    def __init__(self, args: list[str], log_dir: Path, store: str = "memory") -> None:
-        self.args, self.store = args, store
+    def __init__(
+        self, args: list[str], log_dir: Path, store: str = "memory", entry: list[str] = ENTRY
+    ) -> None:
+        self.args, self.store, self.entry = args, store, entry
         self.port = 0
         self.log_path = log_dir / f"registry-{uuid.uuid4().hex[:8]}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -48,7 +54,7 @@ class Registry:
 
     def start(self, port: int | None = None, timeout_s: float = 30.0) -> Registry:
         port = self.port if port is None else port
-        cmd = [sys.executable, "-m", "pdserve.cli", "registry", "--host", "127.0.0.1"]
+        cmd = [*self.entry, "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--log-level", "info", *self.args]
         with open(self.log_path, "ab") as log:
             log_start = log.tell()  # look for this start's port line only

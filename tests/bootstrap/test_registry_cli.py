@@ -6,8 +6,9 @@ import argparse
 import subprocess
 import sys
 
+import httpx
 import pytest
-from registry_harness import REPO
+from registry_harness import ENTRY, PDSERVE_ENTRY, REPO, Registry
 
 from bootstrap import cli
 from bootstrap.config import RegistryConfig
@@ -102,16 +103,17 @@ def test_malformed_flags_exit_nonzero(argv) -> None:
     assert info.value.code == 2
 
 
-def test_occupied_port_exits_nonzero(start_registry) -> None:
-    registry = start_registry()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "registry", "--port", str(registry.port)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode != 0
+def test_pdserve_registry_command_serves(tmp_path) -> None:
+    registry = Registry(["--token", "t"], tmp_path, entry=PDSERVE_ENTRY)
+    try:
+        registry.start(timeout_s=60)  # `pdserve` loads every subcommand: allow for torch
+        assert httpx.get(f"{registry.url}/health").json() == {"status": "ok", "store": "memory"}
+        proc = subprocess.run(  # a second registry on the same port fails, non-zero
+            [*ENTRY, "--port", str(registry.port)], cwd=REPO, capture_output=True, timeout=30
+        )
+        assert proc.returncode != 0
+    finally:
+        registry.stop()
 
 
 def test_client_and_cli_import_no_heavy_modules() -> None:

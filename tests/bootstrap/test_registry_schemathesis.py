@@ -36,5 +36,5 @@ def test_schemathesis_finds_no_server_errors(start_registry, redis_prefix: Redis
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:] + "\n--- registry log ---\n" + registry.log()
     assert "Tested: 5" in output  # every operation was exercised
-    assert "INFO" not in registry.log() or "Traceback" not in registry.log()
+    assert "Traceback" not in registry.log()  # no handler blew up, even behind a 4xx
     assert httpx.get(f"{registry.url}/health").status_code == 200  # and it is still up

@@ -8,9 +8,10 @@ import multiprocessing as mp
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
-from kvt_harness import DECODE_PAGES, META_ROWS, Node
+from kvt_harness import DECODE_PAGES, LAYOUT, META_ROWS, Node
 
 BACKENDS = ["mooncake", "tcp"]
 # Short timeouts so fault tests finish fast; heartbeat bound = 0.3 s * 3 = 0.9 s.
@@ -27,6 +28,17 @@ class Pair:
     _next_page: int = 0
     _next_slot: int = 0
     _rng: random.Random = field(default_factory=lambda: random.Random(1234))
+    _extra: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+    def manager(self, node: Node, name: str, layout: dict[str, int] | None = None,
+                dtype: str = "bfloat16", **cfg: Any) -> dict[str, Any]:
+        """An extra manager (own pools, own config) inside one of the pair's processes;
+        created once per session. Returns its endpoint/session."""
+        key = (node.role, name)
+        if key not in self._extra:
+            self._extra[key] = node.call("add_manager", name, self.backend, {**FAST, **cfg},
+                                         len(self._extra) + 10, layout or LAYOUT, dtype)
+        return self._extra[key]
 
     def block(self, n: int) -> list[int]:
         """A fresh block of n decode pages no other test uses (decode pool starts zeroed)."""

@@ -209,7 +209,8 @@ def _handle(node: _Node, name: str, args: tuple[Any, ...]) -> Any:
     if name == "page_bytes":
         return _page_bytes(node.pools["main"], args[0])
     if name == "pages_zero":
-        return all(not any(chunk) for chunk in _page_bytes(node.pools["main"], args[0]))
+        pools = node.pools[args[1] if len(args) > 1 else "main"]
+        return all(not any(chunk) for chunk in _page_bytes(pools, args[0]))
     if name == "metadata":
         return {r: node.receivers[r].metadata() for r in args[0]}
     if name == "metrics":

@@ -1,0 +1,170 @@
+"""FastAPI routes of a node (DESIGN §9): /generate, OpenAI completions and chat, models,
+health, metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "code"}}."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.server.frontend import Frontend
+from pdserve.server.openai_format import chat_stream, completion_stream, final_response
+from pdserve.server.protocol import ApiError, ChatBody, CompletionBody, GenerateBody
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
+               413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+               499: "client_closed_request", 503: "service_unavailable"}
+
+
+def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(ApiError(status, message, code)), status_code=status)
+
+
+def error_body(exc: ApiError) -> dict:
+    kind = ERROR_TYPES.get(exc.status, "server_error")
+    return {"error": {"message": exc.message, "type": kind, "code": exc.code or exc.status}}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        parts = []
+        for e in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+        return error_response(400, "invalid request: " + "; ".join(parts))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+
+def build_app(front: Frontend, lifespan=None) -> FastAPI:
+    app = FastAPI(title="pdserve node", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    model = front.cfg.model_name
+
+    @app.get("/health")
+    async def health():
+        if not front.client.alive:
+            return error_response(503, "the scheduler process is not running")
+        return {"status": "ok"}
+
+    @app.get("/server_info")
+    async def server_info():
+        s = front.client.stats
+        return {"model": model, "context_length": front.context_length,
+                "stats": vars(s) if s else None, "open_requests": len(front.client.handles)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(front.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": front.context_length}]}
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody, request: Request):
+        body.validate_input()
+        ids = front.encode(body.text if body.text is not None else body.input_ids)
+        sp = body.sampling_params.model_dump()
+        extra = {k: v for k in ("bootstrap_room", "prefill_node_id")
+                 if (v := getattr(body, k)) is not None}
+        if body.stream:
+            events = await _started(front.run(ids, sp, body.rid, extra))
+            return StreamingResponse(_generate_sse(events), media_type="text/event-stream")
+        last = None
+        async for ev in front.run(ids, sp, body.rid, extra, request.is_disconnected):
+            last = ev
+        return _generate_obj(last) if last else error_response(499, "client disconnected")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        body.check_common(model)
+        ids = front.encode(body.prompt_input())
+        return await _openai(body, ids, request, "text_completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        body.check_common(model)
+        msgs = [{"role": x.role, "content": x.text()} for x in body.messages]
+        try:
+            ids = front.tokenizer.apply_chat_template(msgs, tokenize=True,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # template errors are the client's messages' fault
+            raise ApiError(400, f"cannot apply the chat template: {exc}") from exc
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        front.check_ids(list(ids))
+        return await _openai(body, list(ids), request, "chat.completion")
+
+    async def _openai(body, ids: list[int], request: Request, kind: str):
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is None:
+            max_tokens = 16 if kind == "text_completion" else front.default_max_tokens(ids)
+        sp = {"max_new_tokens": max_tokens, "temperature": body.temperature,
+              "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
+              "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,
+              "seed": body.seed}
+        created = int(time.time())
+        if body.stream:
+            events = await _started(front.run(ids, sp))
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            fmt = completion_stream if kind == "text_completion" else chat_stream
+            return StreamingResponse(fmt(events, model, created, usage),
+                                     media_type="text/event-stream")
+        last = None
+        async for ev in front.run(ids, sp, disconnected=request.is_disconnected):
+            last = ev
+        if last is None:
+            return error_response(499, "client disconnected")
+        return final_response(kind, last, model, created)
+
+    return app
+
+
+async def _started(events):
+    """Pull the first event before answering 200, so admission errors (400/429/503) still
+    become the HTTP status of a streaming request."""
+    first = await events.__anext__()
+
+    async def chain():
+        yield first
+        try:
+            async for ev in events:
+                yield ev
+        except ApiError as exc:  # after the 200 header: report in-band, then end the stream
+            yield exc
+
+    return chain()
+
+
+async def _generate_sse(events):
+    async for ev in events:
+        if isinstance(ev, ApiError):
+            yield sse(error_body(ev))
+            break
+        yield sse(_generate_obj(ev))
+    yield "data: [DONE]\n\n"
+
+
+def _generate_obj(ev) -> dict:
+    return {"text": ev.text, "output_ids": ev.output_ids, "meta_info": {
+        "id": ev.rid, "prompt_tokens": ev.prompt_tokens,
+        "completion_tokens": len(ev.output_ids), "cached_tokens": ev.cached_tokens,
+        "finish_reason": ev.finish_reason}}

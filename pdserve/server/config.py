@@ -1,0 +1,55 @@
+"""Node server configuration: one frozen dataclass built once from the CLI."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from pdserve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str = ""  # "" = the --model value
+    max_queued_requests: int = 256  # waiting-queue bound; beyond it requests get 429
+    request_timeout_s: float = 600.0  # whole-request bound; beyond it 408
+    max_body_bytes: int = 4 << 20  # larger bodies get 413
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("server")
+        g.add_argument("--host", default="127.0.0.1", help="address to bind")
+        g.add_argument("--port", type=int, default=30000, help="HTTP port")
+        g.add_argument("--served-model-name", default="",
+                       help="model name clients use (default: the --model value)")
+        g.add_argument("--max-queued-requests", type=int, default=256,
+                       help="waiting-queue bound; beyond it requests get HTTP 429")
+        g.add_argument("--request-timeout-s", type=float, default=600.0,
+                       help="time limit of one request; beyond it HTTP 408")
+        g.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                       help="largest request body; beyond it HTTP 413")
+        g.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"])
+        EngineConfig.add_cli_args(p)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> ServerConfig:
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        if args.max_queued_requests < 1 or args.request_timeout_s <= 0:
+            raise ValueError("--max-queued-requests and --request-timeout-s must be positive")
+        return cls(
+            engine=EngineConfig.from_cli(args), host=args.host, port=args.port,
+            served_model_name=args.served_model_name,
+            max_queued_requests=args.max_queued_requests,
+            request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
+            log_level=args.log_level,
+        )

@@ -1,0 +1,118 @@
+"""One request's life in the HTTP process: submit, receive token updates, detokenize,
+time, and abort on disconnect or timeout. Role-agnostic; the routes format the events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.server import messages as m
+from pdserve.server.config import ServerConfig
+from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.engine_client import EngineClient
+from pdserve.server.metrics import Metrics
+from pdserve.server.protocol import ApiError
+
+
+@dataclass
+class Event:
+    rid: str
+    delta: str  # new visible text
+    text: str  # all visible text so far
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None
+
+
+class Frontend:
+    def __init__(self, cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Metrics):
+        self.cfg = cfg
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    @property
+    def context_length(self) -> int:
+        return self.client.ready.context_length
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        self.check_ids(ids)
+        return ids
+
+    def check_ids(self, ids: list[int]) -> None:
+        vocab = self.client.ready.vocab_size
+        if not ids:
+            raise ApiError(400, "the prompt is empty")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {vocab})")
+        if len(ids) >= self.context_length:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but this model's context "
+                                f"length is {self.context_length} tokens",
+                           "context_length_exceeded")
+
+    def default_max_tokens(self, ids: list[int]) -> int:
+        return max(1, min(self.context_length, self.client.ready.max_total_tokens) - len(ids))
+
+    async def run(self, ids: list[int], sampling: dict, rid: str | None = None,
+                  extra: dict | None = None, disconnected=None) -> AsyncIterator[Event]:
+        """Yield an Event per token update until finished. Raises ApiError (400/408/429/503).
+        `disconnected` (an async callable) is polled for non-streaming requests."""
+        rid = rid or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        deadline = t0 + self.cfg.request_timeout_s
+        handle = await self.client.submit(m.GenerateRequest(rid, ids, sampling, extra or {}))
+        detok = IncrementalDetokenizer(self.tokenizer, sampling.get("stop"))
+        last, first, done = t0, None, False
+        try:
+            while not done:
+                u = await self._next_update(handle, deadline, disconnected)
+                if u is None:  # client went away
+                    return
+                if u.error:
+                    raise ApiError(500 if u.finish_reason == "error" else 503, u.error)
+                now = time.perf_counter()
+                if u.new_ids:
+                    if first is None:
+                        first = now
+                        self.metrics.ttft.observe(now - t0)
+                    else:
+                        self.metrics.itl.observe((now - last) / len(u.new_ids))
+                    last = now
+                done = u.finish_reason is not None
+                delta = detok.add(u.new_ids, done)
+                yield Event(rid, delta, detok.emitted, list(detok.ids), len(ids), u.cached_tokens,
+                            u.finish_reason)
+        finally:
+            if not done:
+                await self.client.abort(rid)
+            self.client.release(rid)
+        self._observe_end(t0, first, len(ids), len(detok.ids), u.finish_reason)
+
+    async def _next_update(self, handle, deadline: float, disconnected) -> m.TokenUpdate | None:
+        while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise ApiError(408, f"request timed out after {self.cfg.request_timeout_s:g}s",
+                               "timeout")
+            try:
+                return await asyncio.wait_for(handle.updates.get(), min(remaining, 0.5))
+            except TimeoutError:
+                if disconnected is not None and await disconnected():
+                    return None
+
+    def _observe_end(self, t0, first, n_prompt, n_out, reason) -> None:
+        end = time.perf_counter()
+        self.metrics.e2e.observe(end - t0)
+        if first is not None and n_out > 1:
+            self.metrics.tpot.observe((end - first) / (n_out - 1))
+        self.metrics.prompt_tokens.inc(n_prompt)
+        self.metrics.generation_tokens.inc(n_out)
+        self.metrics.requests.labels(reason or "unknown").inc()

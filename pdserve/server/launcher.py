@@ -1,0 +1,108 @@
+"""`pdserve serve`: start the scheduler process, then serve HTTP until SIGTERM/Ctrl-C.
+
+Shutdown order: uvicorn stops accepting and lets open requests finish (bounded by
+`GRACEFUL_S`), the lifespan exit tells the scheduler to abort what is left and stop, and
+the scheduler process is joined (terminated, then killed, if it does not exit in time).
+No process outlives the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+
+import uvicorn
+import zmq.asyncio
+
+from pdserve.server.api import build_app
+from pdserve.server.body_limit import BodyLimitMiddleware
+from pdserve.server.config import ServerConfig
+from pdserve.server.engine_client import EngineClient
+from pdserve.server.frontend import Frontend
+from pdserve.server.metrics import Metrics
+from pdserve.server.scheduler_process import run_scheduler
+
+log = logging.getLogger("pdserve.server")
+GRACEFUL_S = 10
+STARTUP_TIMEOUT_S = 900  # first start may convert SmolLM2 from GGUF
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
+def start_scheduler(cfg: ServerConfig, ipc_dir: str) -> tuple[mp.Process, str, str]:
+    to_sched = f"ipc://{ipc_dir}/to_sched"
+    from_sched = f"ipc://{ipc_dir}/from_sched"
+    proc = mp.get_context("spawn").Process(
+        target=run_scheduler, args=(cfg, to_sched, from_sched, os.getpid()),
+        name="pdserve-scheduler", daemon=True)
+    return proc, to_sched, from_sched
+
+
+def stop_process(proc: mp.Process, timeout: float = 10) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def serve(cfg: ServerConfig) -> int:
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_port_free(cfg.host, cfg.port)
+    from transformers import AutoTokenizer
+
+    from pdserve.models.builtin import resolve_model
+
+    path = resolve_model(cfg.engine.model, cfg.engine.model_cache_dir)  # clear error early
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with tempfile.TemporaryDirectory(prefix="pdserve-") as ipc_dir:
+        proc, to_sched, from_sched = start_scheduler(cfg, ipc_dir)
+        try:
+            return asyncio.run(_serve_async(cfg, proc, to_sched, from_sched, tokenizer))
+        finally:
+            stop_process(proc)
+
+
+async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
+    ctx = zmq.asyncio.Context()
+    client = EngineClient(ctx, to_sched, from_sched, proc)
+    proc.start()
+    try:
+        await client.wait_ready(STARTUP_TIMEOUT_S)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        await client.close()
+        ctx.term()
+        return 1
+    client.start()
+    front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.close()  # tells the scheduler to abort what is left and exit
+
+    app = build_app(front, lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug"))
+    log.info("serving %s on http://%s:%d", cfg.model_name, cfg.host, cfg.port)
+    await server.serve()
+    ctx.term()
+    return 0

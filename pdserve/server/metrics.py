@@ -1,0 +1,60 @@
+"""Prometheus metrics of a node: latency histograms measured in the HTTP process, load
+gauges read from the scheduler's latest `Stats` at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                   0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class _SchedulerCollector:
+    def __init__(self, get_stats) -> None:
+        self.get_stats = get_stats
+
+    def collect(self):
+        s = self.get_stats()
+        if s is None:
+            return
+        for name, doc, value in (
+            ("pdserve_num_requests_running", "requests in the running batch", s.running),
+            ("pdserve_num_requests_waiting", "requests in the waiting queue", s.waiting),
+            ("pdserve_kv_cache_usage_ratio", "KV pages held by requests / total", s.kv_usage),
+            ("pdserve_prefix_cache_hit_rate", "prompt tokens served from the prefix cache",
+             s.cache_hit_rate),
+            ("pdserve_kv_free_pages", "free KV pages", s.free_pages),
+            ("pdserve_kv_total_pages", "KV pages in the pool", s.total_pages),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        c = CounterMetricFamily("pdserve_overlap_disabled", "batches run without overlap",
+                                labels=["reason"])
+        for reason, n in sorted(s.overlap_disabled.items()):
+            c.add_metric([reason], n)
+        yield c
+        yield CounterMetricFamily("pdserve_retractions", "requests retracted under KV pressure",
+                                  value=s.retractions)
+
+
+class Metrics:
+    def __init__(self, get_stats) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "TTFT",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "TPOT",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "gap between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens",
+                                         registry=r)
+        self.requests = Counter("pdserve_requests", "finished requests", ["finish_reason"],
+                                registry=r)
+        r.register(_SchedulerCollector(get_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,162 @@
+"""The scheduler process: owns the engine, talks to the HTTP process over ZMQ.
+
+Loop: receive messages (block only when the engine is idle) -> admit/abort -> one engine
+step -> send the new tokens of every request as one `TokenBatch` -> periodic `Stats`.
+Role-agnostic: the prefill and decode roles plug into the engine, not into this loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from pdserve.engine.engine import Engine
+from pdserve.sampling_params import SamplingParams
+from pdserve.server import messages as m
+from pdserve.server.config import ServerConfig
+
+log = logging.getLogger("pdserve.scheduler")
+STATS_PERIOD_S = 0.25
+
+
+class SchedulerService:
+    def __init__(self, cfg: ServerConfig, recv: zmq.Socket, send: zmq.Socket) -> None:
+        self.cfg = cfg
+        self.recv, self.send = recv, send
+        self.engine = Engine(cfg.engine)
+        self.sent: dict[str, int] = {}  # rid -> output ids already sent
+        self.stopping = False
+        self._last_stats = 0.0
+
+    def ready_message(self) -> m.Ready:
+        e = self.engine
+        return m.Ready(self.cfg.model_name, e.context_length, e.loaded.hf_config.vocab_size,
+                       e.max_total_tokens, self.cfg.engine.page_size)
+
+    def serve_forever(self, parent_pid: int) -> None:
+        self.send.send(m.encode(self.ready_message()))
+        while not self.stopping:
+            busy = self.engine.has_work()
+            self._receive(timeout_ms=0 if busy else 100)
+            if self.engine.has_work():
+                finished = self.engine.step()
+                self._emit(finished)
+            elif self.sent:
+                self._emit([])
+            self._maybe_stats()
+            if os.getppid() != parent_pid:  # the HTTP process died: do not linger
+                log.warning("parent process gone; scheduler exiting")
+                return
+
+    # -- input -------------------------------------------------------------------------
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.recv.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(m.decode(frame))
+            except ValueError as exc:
+                log.warning("dropped a bad message: %s", exc)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, m.GenerateRequest):
+            self._admit(msg)
+        elif isinstance(msg, m.AbortRequest):
+            self.engine.abort(msg.rid)
+        elif isinstance(msg, m.Shutdown):
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+            self._emit(self.engine.step() if self.engine.has_work() else [])
+            self.stopping = True
+
+    def _admit(self, msg: m.GenerateRequest) -> None:
+        if len(self.engine.sched.waiting) >= self.cfg.max_queued_requests:
+            self._reply(m.Rejected(msg.rid, 429, "server is busy: the waiting queue is full"))
+            return
+        try:
+            params = SamplingParams(**msg.sampling)
+            self.engine.add_request(msg.rid, msg.input_ids, params)
+        except (ValueError, TypeError) as exc:
+            self._reply(m.Rejected(msg.rid, 400, str(exc)))
+            return
+        self.sent[msg.rid] = 0
+        self._reply(m.Accepted(msg.rid))
+
+    def _reply(self, msg) -> None:
+        self.send.send(m.encode(msg))
+
+    # -- output ------------------------------------------------------------------------
+    def _emit(self, finished) -> None:
+        updates = []
+        for rid, req in self.engine.requests.items():
+            n = self.sent.get(rid, 0)
+            if len(req.output_ids) > n:
+                updates.append(self._update(req, n, None))
+                self.sent[rid] = len(req.output_ids)
+        for req in finished:
+            if req.rid in self.sent:
+                updates.append(self._update(req, self.sent.pop(req.rid), req.finish_reason))
+        if updates:
+            self.send.send(m.encode(m.TokenBatch(updates)))
+
+    @staticmethod
+    def _update(req, start: int, finish: str | None) -> dict:
+        return {"rid": req.rid, "new_ids": req.output_ids[start:], "finish_reason": finish,
+                "cached_tokens": req.cached_tokens, "error": req.error}
+
+    def _maybe_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < STATS_PERIOD_S:
+            return
+        self._last_stats = now
+        self.send.send(m.encode(self.stats()))
+
+    def stats(self) -> m.Stats:
+        e = self.engine
+        s = e.memory_stats()
+        cache = e.kv.cache
+        hit = cache.hit_tokens / cache.query_tokens if cache and cache.query_tokens else 0.0
+        used = s["total_pages"] - s["free_pages"] - s["evictable_pages"]
+        return m.Stats(
+            running=len(e.sched.running), waiting=len(e.sched.waiting),
+            kv_usage=used / s["total_pages"], cache_hit_rate=hit,
+            free_pages=s["free_pages"], total_pages=s["total_pages"],
+            free_slots=s["free_slots"], total_slots=s["total_slots"],
+            pools_full=e.pools_full() and not e.requests,
+            overlap_disabled=dict(e.loop.stats.overlap_disabled),
+            retractions=e.sched.num_retractions, generated_tokens=e.out.generated_tokens,
+        )
+
+
+def run_scheduler(cfg: ServerConfig, recv_addr: str, send_addr: str, parent_pid: int) -> None:
+    """Entry point of the spawned scheduler process."""
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when we stop
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(recv_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(send_addr)
+    send.setsockopt(zmq.LINGER, 1000)
+    try:
+        service = SchedulerService(cfg, recv, send)
+    except Exception as exc:
+        send.send(m.encode(m.Rejected("", 500, f"scheduler failed to start: {exc}")))
+        raise
+    signal.signal(signal.SIGTERM, lambda *_: setattr(service, "stopping", True))
+    try:
+        service.serve_forever(parent_pid)
+    finally:
+        service.engine.close()
+        recv.close(0)
+        send.close()
+        ctx.term()

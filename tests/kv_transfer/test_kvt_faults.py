@@ -1,0 +1,125 @@
+"""Process deaths, aborts and deadlines: rooms fail with a reason, nodes keep serving."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from conftest import FAST, HEARTBEAT_BOUND_S, Pair, start_nodes
+from kvt_helpers import FAILED, TRANSFERRING, WAITING, check_rooms, launch, make_room
+
+pytestmark = pytest.mark.timeout(90)
+# Detection needs the heartbeat bound plus a control-loop tick; allow scheduling noise on a
+# loaded 2-core machine on top.
+FAIL_WITHIN_S = HEARTBEAT_BOUND_S + 1.5
+
+
+def held_rooms(pair: Pair, seed: int, n: int = 4) -> list[dict]:
+    """Rooms of 3 chunks whose last chunk is held back: they stay in Transferring."""
+    rng = random.Random(seed)
+    return [make_room(pair, rng, tokens=48, hold_last=True) | {"chunks": [4, 4, 4]}
+            for _ in range(n)]
+
+
+def wait_failed_within(node, rooms: list[dict], bound: float, t0: float) -> dict:
+    ids = [r["room"] for r in rooms]
+    states = node.wait(ids, timeout=bound + 10)
+    elapsed = time.monotonic() - t0
+    assert all(s == FAILED for s, _ in states.values()), states
+    assert elapsed < bound, f"rooms failed after {elapsed:.2f}s, bound {bound:.2f}s"
+    return states
+
+
+def test_kill9_sender_mid_transfer(pair: Pair) -> None:
+    (victim,) = start_nodes(("prefill", pair.backend, FAST))
+    try:
+        rooms = held_rooms(pair, seed=1)
+        victim_pair = Pair(pair.backend, victim, pair.decode)
+        launch(victim_pair, rooms)
+        ids = [r["room"] for r in rooms]
+        states = pair.decode.wait(ids, until=TRANSFERRING, timeout=30)
+        assert all(s == TRANSFERRING for s, _ in states.values()), states
+        victim.kill9()
+        states = wait_failed_within(pair.decode, rooms, FAIL_WITHIN_S, time.monotonic())
+        assert all("heartbeat" in reason for _, reason in states.values()), states
+    finally:
+        victim.close()
+    # The decode node is unaffected: a room from the live prefill still succeeds.
+    room = make_room(pair, random.Random(2), tokens=20)
+    launch(pair, [room])
+    check_rooms(pair, [room])
+
+
+def test_kill9_receiver_mid_transfer(pair: Pair) -> None:
+    (victim,) = start_nodes(("decode", pair.backend, FAST))
+    try:
+        rooms = held_rooms(pair, seed=3)
+        launch(Pair(pair.backend, pair.prefill, victim), rooms)
+        ids = [r["room"] for r in rooms]
+        states = pair.prefill.wait(ids, until=TRANSFERRING, timeout=30)
+        assert all(s == TRANSFERRING for s, _ in states.values()), states
+        victim.kill9()
+        t0 = time.monotonic()
+        pair.prefill.call("release", ids)  # the last chunks now target a dead peer
+        wait_failed_within(pair.prefill, rooms, FAIL_WITHIN_S, t0)
+    finally:
+        victim.close()
+    # No stuck thread: the transfer thread still serves other peers promptly.
+    threads = pair.prefill.call("threads")
+    assert "kv-transfer" in threads and "kv-prefill-control" in threads
+    rooms = [make_room(pair, random.Random(4), tokens=33) for _ in range(3)]
+    launch(pair, rooms)
+    check_rooms(pair, rooms)
+
+
+def test_receiver_abort_is_acknowledged(pair: Pair) -> None:
+    rooms = held_rooms(pair, seed=5, n=2)
+    launch(pair, rooms)
+    ids = [r["room"] for r in rooms]
+    pair.decode.wait(ids, until=TRANSFERRING)
+    pair.decode.call("abort", ids[:1])
+    got = pair.decode.wait(ids[:1], timeout=10)
+    assert got[ids[0]][0] == FAILED and "aborted by decode" in got[ids[0]][1]
+    sent = pair.prefill.wait(ids[:1], timeout=10)
+    assert sent[ids[0]][0] == FAILED and "aborted by decode" in sent[ids[0]][1]
+    # The other room is untouched and completes once released.
+    pair.prefill.call("release", ids[1:])
+    check_rooms(pair, rooms[1:])
+
+
+def test_sender_abort_fails_receiver(pair: Pair) -> None:
+    rooms = held_rooms(pair, seed=6, n=1)
+    launch(pair, rooms)
+    ids = [r["room"] for r in rooms]
+    pair.prefill.wait(ids, until=TRANSFERRING)
+    pair.prefill.call("abort", ids)
+    got = pair.decode.wait(ids, timeout=10)
+    assert got[ids[0]] == (FAILED, "prefill: aborted by prefill: test abort")
+
+
+def test_deadlines_and_unknown_room(pair: Pair) -> None:
+    # The decode's own bootstrap deadline is longer, so the prefill's verdict arrives first.
+    ep = pair.manager(pair.prefill, "short", bootstrap_timeout_s=0.5,
+                      transfer_timeout_s=1.0)["endpoint"]
+    pair.manager(pair.decode, "short", bootstrap_timeout_s=5.0, transfer_timeout_s=1.0)
+    rng = random.Random(8)
+    unknown, lonely, stalled = (make_room(pair, rng, tokens=8) for _ in range(3))
+    # unknown: decode asks for a room the prefill never creates.
+    pair.decode.call("receivers", [{"room": unknown["room"], "endpoint": ep,
+                                    "dst": unknown["dst"], "mgr": "short"}])
+    # lonely: a sender whose decode never shows up.
+    pair.prefill.call("senders", [{"room": lonely["room"], "pages": lonely["src"],
+                                   "mgr": "short"}])
+    # stalled: accepted, but the prefill never sends (its only chunk is held).
+    launch(pair, [stalled | {"hold_last": True}], mgr="short", endpoint=ep)
+    t0 = time.monotonic()
+    got = pair.decode.wait([unknown["room"], stalled["room"]], timeout=10)
+    assert got[unknown["room"]][0] == FAILED and "unknown room" in got[unknown["room"]][1]
+    assert got[stalled["room"]][0] == FAILED and "timeout" in got[stalled["room"]][1]
+    sent = pair.prefill.wait([lonely["room"], stalled["room"]], timeout=10)
+    assert sent[lonely["room"]] == (FAILED, "bootstrap timeout: no request from decode")
+    assert sent[stalled["room"]][0] == FAILED
+    assert time.monotonic() - t0 < 6
+    hist = pair.decode.call("history", [stalled["room"]])[stalled["room"]]
+    assert hist[:2] == [1, WAITING] and hist[-1] == FAILED
