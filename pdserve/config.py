@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily: light processes (registry, router) skip it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class EngineConfig:
         return not self.disable_overlap
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -25,6 +25,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.runs import Entries
 
 log = logging.getLogger(__name__)
+_MAX_RETIRED = 4
 
 
 def set_mooncake_env(config: KVTransferConfig | None = None) -> None:
@@ -58,6 +59,7 @@ class MooncakeBackend(TransferBackend):
                         "Mooncake will silently fall back to its TCP transport")
         self._regions: list[tuple[int, int]] = []
         self._engine: Any = None
+        self._retired: list[Any] = []
         self._session = ""
         self._start_engine()
 
@@ -101,17 +103,25 @@ class MooncakeBackend(TransferBackend):
         return self._engine.send_probe(session) == 0
 
     def recreate(self) -> None:
-        self._drop_engine()
+        old, self._engine = self._engine, None
+        if old is not None and self._regions:
+            old.batch_unregister_memory([p for p, _ in self._regions])
+        # Destroying an engine holds the GIL for ~1 s (pybind destructor joining its
+        # threads), which would freeze the node's control thread and scheduler. Park the
+        # old engine instead; a few parked engines are cheap and recovery is rare.
+        if old is not None:
+            self._retired.append(old)
+        while len(self._retired) > _MAX_RETIRED:
+            self._retired.pop(0)  # the stall is accepted only past this bound
         self._start_engine()
 
-    def _drop_engine(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None and self._regions:
-            engine.batch_unregister_memory([p for p, _ in self._regions])
-        del engine  # the pybind destructor stops the engine's threads and sockets
-
     def close(self) -> None:
-        self._drop_engine()
+        engines = [*self._retired, self._engine]
+        self._retired, self._engine = [], None
+        for engine in engines:
+            if engine is not None and self._regions:
+                engine.batch_unregister_memory([p for p, _ in self._regions])
+        engines.clear()  # destructors run here (~1 s each, GIL held): shutdown only
 
     def raw_engine(self) -> Any:
         """The pybind engine itself (benchmarks; only from the transfer thread)."""

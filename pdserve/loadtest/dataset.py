@@ -81,8 +81,7 @@ def shared_prefix_prompts(n: int, groups: int, prefix_len: int, question_len: in
                           tok: BenchTokenizer | None) -> list[Prompt]:
     """Prompt i belongs to group i % groups: one random prefix per group + its own question.
 
-    The text form is prefix text + question text, with the prefix decoded once per group, so
-    prompts of a group share the prefix exactly as text and as ids.
+    Prompts of a group share the prefix exactly, as ids and as text (see `_joined_text`).
     """
     pool = id_pool(tok)
     prefixes = [random_ids(rng, pool, prefix_len) for _ in range(groups)]
@@ -90,12 +89,21 @@ def shared_prefix_prompts(n: int, groups: int, prefix_len: int, question_len: in
     prompts = []
     for i in range(n):
         g = i % groups
-        question = random_ids(rng, pool, question_len)
-        text = prefix_texts[g] + tok.decode(list(question)) if tok else None
-        prompts.append(Prompt(prefix_len + question_len, output_len, text,
-                              prefixes[g] + question, g))
+        ids = prefixes[g] + random_ids(rng, pool, question_len)
+        text = _joined_text(tok, ids, prefix_texts[g], prefix_len) if tok else None
+        prompts.append(Prompt(prefix_len + question_len, output_len, text, ids, g))
     order = rng.permutation(n)  # interleave groups in time, as SGLang's bench does
     return [prompts[int(i)] for i in order]
+
+
+def _joined_text(tok: BenchTokenizer, ids: tuple[int, ...], prefix_text: str,
+                 prefix_len: int) -> str:
+    """Decode the whole prompt, so the boundary decodes as the tokenizer would (spaces);
+    if that text does not start with the group's prefix text, glue the two decodings."""
+    text = tok.decode(list(ids))
+    if text.startswith(prefix_text):
+        return text
+    return prefix_text + tok.decode(list(ids[prefix_len:]))
 
 
 def load_sharegpt(path: Path) -> list[tuple[str, str]]:

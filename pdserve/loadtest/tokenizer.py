@@ -35,19 +35,25 @@ class BenchTokenizer:
         return [i for i in range(self.vocab_size) if i not in self.special_ids]
 
 
-def resolve_folder(spec: str) -> Path:
-    """A local folder path or a pdserve built-in model name -> a folder with tokenizer files."""
+def resolve_folder(spec: str, build: bool = True) -> Path:
+    """A local folder path or a pdserve built-in model name -> a folder with tokenizer files.
+
+    `build=False` accepts a built-in only when it is already in the user cache: guessing a
+    tokenizer from the served model's name must not start a model conversion (torch).
+    """
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
-    from pdserve.models.builtin import resolve_model  # lazy: keeps `pdserve bench` light
+    from pdserve.models.builtin import BUILTIN, cache_root, resolve_model  # lazy: stays light
 
+    if not build and spec in BUILTIN and not (cache_root() / spec / ".complete").exists():
+        raise ValueError(f"built-in model {spec!r} is not in the cache yet")
     return resolve_model(spec)
 
 
-def load_tokenizer(spec: str) -> BenchTokenizer:
+def load_tokenizer(spec: str, build: bool = True) -> BenchTokenizer:
     """Load the tokenizer named by `spec`; raises ValueError/OSError when it cannot."""
-    folder = resolve_folder(spec)
+    folder = resolve_folder(spec, build)
     if (folder / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
@@ -61,13 +67,13 @@ def load_tokenizer(spec: str) -> BenchTokenizer:
 
 
 def try_load_tokenizer(specs: list[str]) -> tuple[BenchTokenizer | None, list[str]]:
-    """First tokenizer that loads among `specs`, plus why the others did not."""
+    """First tokenizer that loads among guessed `specs` (no builds), plus why others did not."""
     problems = []
     for spec in specs:
         if not spec:
             continue
         try:
-            return load_tokenizer(spec), problems
+            return load_tokenizer(spec, build=False), problems
         except Exception as exc:  # any failure just means "try the next candidate"
             problems.append(f"{spec}: {exc}")
     return None, problems

@@ -41,8 +41,12 @@ def test_poisoned_path_recovers(pair: Pair) -> None:
     dst = pair.decode.call("buffers")["k"][0] + block[0] * PAGE_BYTES
     span = len(block) * PAGE_BYTES
     before = pair.prefill.call("metrics")
-    rc_big = pair.prefill.call("raw_write", pair.decode.session, dst, 4096, 16384, span)
-    rc_small = pair.prefill.call("raw_write", pair.decode.session, dst, 1, 256, span)
+    # Poisoning usually takes one oversized batch, sometimes two; tcp has nothing to poison.
+    for _ in range(5 if pair.backend == "mooncake" else 1):
+        rc_big = pair.prefill.call("raw_write", pair.decode.session, dst, 4096, 16384, span)
+        rc_small = pair.prefill.call("raw_write", pair.decode.session, dst, 1, 256, span)
+        if rc_small != 0:
+            break
     if pair.backend == "mooncake":
         assert rc_big != 0 and rc_small != 0, (rc_big, rc_small)  # really poisoned
     else:

@@ -1,0 +1,98 @@
+"""One timed streaming request. Never raises: every failure becomes `RequestResult.error`.
+
+Times come from `time.perf_counter()` taken as each SSE line is read, so they include the
+client's own parsing (microseconds), as in vLLM's and SGLang's clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+
+from pdserve.loadtest import backends
+from pdserve.loadtest.backends import RequestSpec, StreamState
+from pdserve.loadtest.dataset import Prompt
+from pdserve.loadtest.metrics import RequestResult, timeline
+
+Counter = Callable[[str], int]
+
+
+async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt: Prompt,
+                       run_start: float, timeout_s: float,
+                       count: Counter | None = None) -> RequestResult:
+    state = StreamState()
+    chunk_times: list[float] = []
+    sent = time.perf_counter()
+    error = ""
+    try:
+        async with asyncio.timeout(timeout_s):
+            error = await _stream(client, url, spec, prompt, state, chunk_times)
+    except TimeoutError:
+        error = f"timed out after {timeout_s:g}s"
+    except httpx.HTTPError as exc:  # refused connection, reset, broken chunked stream...
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    end = time.perf_counter()
+    result = RequestResult(prompt_len=prompt.prompt_len, start=sent - run_start, e2el=end - sent)
+    return _complete(result, state, chunk_times, sent, end, error, count)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt: Prompt,
+                  state: StreamState, chunk_times: list[float]) -> str:
+    """Read the response into `state`/`chunk_times`; return an error text or ''."""
+    async with client.stream("POST", url, json=backends.build_payload(spec, prompt)) as resp:
+        if resp.status_code >= 400:
+            return f"HTTP {resp.status_code}: {_body_message(await resp.aread())}"
+        async for line in resp.aiter_lines():
+            event = backends.parse_sse_line(line)
+            if event is None:
+                continue
+            now = time.perf_counter()
+            if backends.consume(spec.backend, event, state):
+                chunk_times.append(now)
+            if state.error:
+                return f"server error in stream: {state.error}"
+            if state.done:
+                return ""
+    # A closed stream without [DONE] is broken unless the last event already said it finished.
+    return "" if state.finish_reason else "stream ended before [DONE]"
+
+
+def _body_message(body: bytes) -> str:
+    text = body.decode("utf-8", errors="replace")
+    try:
+        return backends.error_text(json.loads(text))[:300]
+    except json.JSONDecodeError:
+        return text.strip()[:300] or "(empty body)"
+
+
+def _complete(result: RequestResult, state: StreamState, chunk_times: list[float], sent: float,
+              end: float, error: str, count: Counter | None) -> RequestResult:
+    result.generated_text = state.text
+    result.finish_reason = state.finish_reason
+    result.cached_tokens = state.cached_tokens
+    if not error and not chunk_times:
+        error = "empty response: no output token was streamed"
+    if error:
+        result.error = error
+        return result
+    result.ttft, result.itl, result.e2el = timeline(sent, chunk_times, end)
+    result.success = True
+    if state.prompt_tokens is not None:
+        result.prompt_len = int(state.prompt_tokens)
+    result.output_len = _output_len(state, len(chunk_times), count)
+    return result
+
+
+def _output_len(state: StreamState, n_chunks: int, count: Counter | None) -> int:
+    """Server's count first; then ids streamed; then our tokenizer; last, content chunks."""
+    if state.completion_tokens is not None:
+        return int(state.completion_tokens)
+    if state.n_output_ids:
+        return state.n_output_ids
+    if count is not None:
+        return count(state.text)
+    return n_chunks

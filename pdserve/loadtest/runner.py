@@ -1,0 +1,146 @@
+"""Drive a bench: set up once (server info, tokenizer, prompts, warmup), then one timed run
+per request rate. Request failures are data, not exceptions; only a setup problem that makes
+the whole bench meaningless raises `BenchError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from pdserve.loadtest import server_info
+from pdserve.loadtest.arrivals import arrival_times
+from pdserve.loadtest.backends import RequestSpec
+from pdserve.loadtest.client import send_request
+from pdserve.loadtest.config import BenchConfig
+from pdserve.loadtest.dataset import Prompt, build_prompts
+from pdserve.loadtest.metrics import RequestResult
+from pdserve.loadtest.tokenizer import BenchTokenizer, load_tokenizer, try_load_tokenizer
+
+
+class BenchError(RuntimeError):
+    """The bench cannot start (e.g. no tokenizer where one is needed, unreadable dataset)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    prompts: list[Prompt]
+    spec: RequestSpec
+    tokenizer: BenchTokenizer | None
+    models: dict
+
+
+@dataclass
+class RunOutcome:
+    """One timed run at one request rate."""
+
+    cfg: BenchConfig
+    results: list[RequestResult]
+    duration: float
+    model: str
+    tokenizer: str
+    server: dict = field(default_factory=dict)
+
+
+def note(msg: str) -> None:
+    print(f"pdserve bench: {msg}", file=sys.stderr, flush=True)
+
+
+def new_client(cfg: BenchConfig) -> httpx.AsyncClient:
+    # trust_env=False: a proxy from the environment must not sit between bench and server.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), limits=limits,
+                             trust_env=False)
+
+
+def pick_tokenizer(cfg: BenchConfig, model: str) -> BenchTokenizer | None:
+    if cfg.tokenizer:
+        try:
+            return load_tokenizer(cfg.tokenizer)
+        except Exception as exc:  # any loader failure is a bad --tokenizer value
+            raise BenchError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from exc
+    tok, _ = try_load_tokenizer([model])
+    return tok
+
+
+async def prepare(cfg: BenchConfig, client: httpx.AsyncClient) -> Setup:
+    models = await server_info.fetch_models(client, cfg.base_url)
+    model = cfg.model or server_info.first_model_id(models)
+    tok = pick_tokenizer(cfg, model)
+    needs_text = cfg.backend != "generate" and cfg.dataset_name != "sharegpt"
+    if needs_text and tok is None:
+        raise BenchError(f"--backend {cfg.backend} with --dataset-name {cfg.dataset_name} "
+                         "needs a tokenizer to turn token ids into text: pass --tokenizer "
+                         "(a local HF folder or a built-in model name)")
+    if tok is None:
+        note("no tokenizer (pass --tokenizer for exact prompt lengths); "
+             "token counts come from the server")
+    try:
+        prompts = build_prompts(cfg, tok)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from exc
+    spec = RequestSpec(cfg.backend, model, cfg.temperature, cfg.ignore_eos)
+    return Setup(prompts, spec, tok, models)
+
+
+async def warmup(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient) -> None:
+    """Untimed requests first (compilation, caches, connections), as both reference benches."""
+    if not cfg.warmup_requests:
+        return
+    prompts = [setup.prompts[i % len(setup.prompts)] for i in range(cfg.warmup_requests)]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(
+        send_request(client, cfg.url, setup.spec, p, start, cfg.request_timeout)
+        for p in prompts))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        note(f"{len(failed)}/{len(results)} warmup requests failed (first: {failed[0]})")
+
+
+async def run_once(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient) -> RunOutcome:
+    prompts = setup.prompts
+    times = arrival_times(len(prompts), cfg.request_rate, cfg.burstiness, cfg.seed)
+    gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    count = setup.tokenizer.count if setup.tokenizer else None
+    before = await server_info.fetch_metrics(client, cfg.base_url)
+    bar = tqdm(total=len(prompts), disable=cfg.disable_tqdm, desc=f"rate {cfg.request_rate:g}",
+               unit="req", file=sys.stderr)
+    start = time.perf_counter()
+
+    async def one(i: int) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
+        async with gate or contextlib.nullcontext():
+            result = await send_request(client, cfg.url, setup.spec, prompts[i], start,
+                                        cfg.request_timeout, count)
+        bar.update(1)
+        return result
+
+    results = list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+    duration = time.perf_counter() - start
+    bar.close()
+    after = await server_info.fetch_metrics(client, cfg.base_url)
+    server = {"server_models": setup.models, "server_metrics_before": before,
+              "server_metrics_after": after,
+              "server_metrics_delta": server_info.metrics_delta(before, after)}
+    tok_name = setup.tokenizer.name if setup.tokenizer else ""
+    return RunOutcome(cfg, results, duration, setup.spec.model, tok_name, server)
+
+
+async def bench(cfg: BenchConfig, on_run: Callable[[RunOutcome], None]) -> list[RunOutcome]:
+    """Every rate of the sweep in turn; `on_run` reports each run as soon as it ends, so a
+    long sweep that is interrupted keeps the runs it finished."""
+    outcomes = []
+    async with new_client(cfg) as client:
+        setup = await prepare(cfg, client)
+        await warmup(cfg, setup, client)
+        for rate in cfg.rates():
+            outcomes.append(await run_once(cfg.with_rate(rate), setup, client))
+            on_run(outcomes[-1])
+    return outcomes

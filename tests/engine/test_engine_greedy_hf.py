@@ -1,0 +1,117 @@
+"""Greedy output equals transformers `generate` token for token (DESIGN §3)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import (
+    TINY_MODELS,
+    TINY_NEW_TOKENS,
+    TINY_PROMPTS,
+    baseline_greedy,
+    discard_model,
+    drop_hf_models,
+    get_llm,
+    greedy,
+    hf_greedy,
+)
+
+SMOLLM = "smollm2-135m"
+SMOLLM_NEW_TOKENS = 32
+_LONG = " ".join(
+    f"Step {i}: the engineer checked the {part} of the machine and wrote down what she saw."
+    for i, part in enumerate(["pump", "valve", "gearbox", "fan", "belt", "sensor", "boiler",
+                              "motor", "filter", "switch", "relay", "spring", "bearing",
+                              "shaft", "clutch", "piston", "nozzle", "tank", "coil", "pipe"])
+) + " In the end, the report said"
+SMOLLM_PROMPTS = [
+    "The capital of France is",
+    "Hi",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "List three colors:",
+    "Water boils at a temperature of",
+    "Q: What is the largest planet in our solar system?\nA:",
+    "The theory of relativity was developed by Albert Einstein in the early twentieth "
+    "century, and it",
+    "Here is a short recipe for pancakes. Ingredients: flour, milk, eggs, sugar and a "
+    "pinch of salt. Steps: 1.",
+    _LONG,
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_models_after_module():
+    yield
+    discard_model(SMOLLM)  # ~0.5 GiB each in fp32; later modules do not need them
+    drop_hf_models()
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_tiny_greedy_matches_transformers(model):
+    ours = baseline_greedy(model)  # all prompts batched together in one generate call
+    for prompt, out in zip(TINY_PROMPTS, ours, strict=True):
+        ref = hf_greedy(model, prompt, TINY_NEW_TOKENS, stop_at_eos=False)
+        assert len(ref) == TINY_NEW_TOKENS
+        assert list(out) == list(ref), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_tiny_greedy_matches_transformers_normal_loop(model):
+    llm = get_llm(model, disable_overlap=True, page_size=1)
+    outs = llm.generate([list(p) for p in TINY_PROMPTS[-4:]],
+                        greedy(TINY_NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(TINY_PROMPTS[-4:], outs, strict=True):
+        assert out.output_ids == list(hf_greedy(model, prompt, TINY_NEW_TOKENS, False))
+
+
+def _smollm_ids(llm) -> list[list[int]]:
+    return [llm.encode(p) for p in SMOLLM_PROMPTS]
+
+
+def test_smollm2_prompts_cover_lengths():
+    llm = get_llm(SMOLLM)
+    lens = sorted(len(ids) for ids in _smollm_ids(llm))
+    assert len(lens) >= 8 and len(set(lens)) >= 8
+    assert lens[0] <= 2 and lens[-1] > 300
+
+
+def _smollm_batched(**cfg):
+    llm = get_llm(SMOLLM, **cfg)
+    outs = llm.generate(_smollm_ids(llm), greedy(SMOLLM_NEW_TOKENS, ignore_eos=True))
+    assert all(o.finish_reason == "length" for o in outs)
+    return llm, outs
+
+
+def test_smollm2_greedy_matches_transformers_batched():
+    llm, outs = _smollm_batched()
+    mismatches = []
+    for prompt, ids, out in zip(SMOLLM_PROMPTS, _smollm_ids(llm), outs, strict=True):
+        ref = hf_greedy(SMOLLM, tuple(ids), SMOLLM_NEW_TOKENS, stop_at_eos=False)
+        assert len(ref) == SMOLLM_NEW_TOKENS
+        if out.output_ids != list(ref):
+            mismatches.append((prompt[:40], len(ids), out.output_ids, list(ref)))
+        assert out.text == llm.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    assert not mismatches, mismatches
+
+
+def test_smollm2_overlap_equals_normal():
+    _, overlap = _smollm_batched()
+    _, normal = _smollm_batched(disable_overlap=True)
+    assert [o.output_ids for o in normal] == [o.output_ids for o in overlap]
+
+
+def test_smollm2_eos_stops_unless_ignored():
+    """SmolLM2 ends this answer with EOS within 40 tokens; transformers stops there too."""
+    llm = get_llm(SMOLLM)
+    ids = llm.encode(SMOLLM_PROMPTS[0])
+    eos = llm.engine.loaded.eos_token_ids
+    stop, cont = llm.generate([ids, ids], [greedy(40), greedy(40, ignore_eos=True)])
+    assert stop.finish_reason == "stop"
+    assert stop.output_ids[-1] in eos
+    assert not any(t in eos for t in stop.output_ids[:-1])
+    assert len(stop.output_ids) < 40
+    assert stop.output_ids == list(hf_greedy(SMOLLM, tuple(ids), 40, stop_at_eos=True))
+    assert cont.finish_reason == "length"
+    assert len(cont.output_ids) == 40
+    assert cont.output_ids[: len(stop.output_ids)] == stop.output_ids
+    assert stop.text == llm.tokenizer.decode(stop.output_ids, skip_special_tokens=True)

@@ -1,0 +1,134 @@
+"""In-process unit tests of the pure parts: no engines, no child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kv_transfer.args import KVArgs, KVLayout
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.memory import crc_regions, page_regions
+from kv_transfer.messages import BadMessage, Ping, Request, Status, decode, encode
+from kv_transfer.metrics import TransferStats
+from kv_transfer.poll import KVPoll, RoomStatus
+from kv_transfer.runs import Entries, kv_entries, page_runs
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_page_runs_merge_only_when_both_sides_are_consecutive() -> None:
+    assert page_runs([4, 5, 6, 9, 10, 2], [7, 8, 9, 1, 2, 3]) == [(4, 7, 3), (9, 1, 2), (2, 3, 1)]
+    assert page_runs([1, 2, 3], [5, 7, 8]) == [(1, 5, 1), (2, 7, 2)]
+    assert page_runs([], []) == []
+    with pytest.raises(ValueError):
+        page_runs([1], [])
+
+
+def test_kv_entries_one_per_buffer_and_run_then_batches() -> None:
+    e = kv_entries([(2, 5, 3), (9, 0, 1)], src_bufs=[1000, 2000], dst_bufs=[10_000, 20_000],
+                   page_bytes=10)
+    assert e.src == [1020, 1090, 2020, 2090]
+    assert e.dst == [10_050, 10_000, 20_050, 20_000]
+    assert e.lens == [30, 10, 30, 10] and e.nbytes == 80
+    big = Entries(list(range(2500)), list(range(2500)), [1] * 2500)
+    assert [len(b) for b in big.batches(1024)] == [1024, 1024, 452]
+
+
+def test_messages_round_trip_and_strict_validation() -> None:
+    req = Request(room=(1 << 63) - 1, dst_pages=[1, 2, 3], meta_slot=4, prefix_len=16)
+    assert decode(encode(req), (Request,)) == req
+    bad = [
+        b"\xc1", msgpack.packb([1]), msgpack.packb({"t": "request"}),
+        msgpack.packb({"t": "request", "f": {"room": 1}}),
+        msgpack.packb({"t": "ping", "f": {"seq": True}}),  # bool is not an int
+        msgpack.packb({"t": "ping", "f": {"seq": 1, "extra": 2}}),
+        msgpack.packb({"t": "ping", "f": {"seq": 1}}) + b"trailing",
+        msgpack.packb({"t": "status", "f": {"room": 1}}),  # type not allowed here
+    ]
+    for data in bad:
+        with pytest.raises(BadMessage):
+            decode(data, (Request, Ping))
+    with pytest.raises(BadMessage) as info:
+        decode(msgpack.packb({"t": "request", "f": {"room": 77, "dst_pages": ["x"],
+                                                     "meta_slot": 0, "prefix_len": 0}}),
+               (Request,))
+    assert info.value.room == 77  # the affected room is known, so only it fails
+    st = Status(room=1, state=4, start=0, end=3, checksum=99, reason="")
+    assert decode(encode(st), (Status,)) == st
+
+
+def test_room_status_is_monotone_and_failed_sticky() -> None:
+    s = RoomStatus()
+    assert s.state == KVPoll.Bootstrapping
+    assert s.advance(KVPoll.Transferring)
+    assert not s.advance(KVPoll.WaitingForInput)  # never backwards
+    assert s.state == KVPoll.Transferring
+    assert s.fail("boom") and s.state == KVPoll.Failed
+    assert not s.advance(KVPoll.Success) and not s.fail("again")
+    assert (s.state, s.reason) == (KVPoll.Failed, "boom")
+    done = RoomStatus()
+    assert done.advance(KVPoll.Success) and not done.fail("late")
+    assert done.state == KVPoll.Success
+    assert KVPoll.Failed < KVPoll.Bootstrapping < KVPoll.WaitingForInput < KVPoll.Transferring
+    assert KVPoll.Transferring < KVPoll.Success
+
+
+def test_config_limits() -> None:
+    assert KVTransferConfig().max_batch_entries == 1024
+    assert KVTransferConfig().heartbeat_deadline_s == 10.0
+    for bad in ({"max_batch_entries": 1025}, {"backend": "nccl"}, {"heartbeat_misses": 0},
+                {"transfer_timeout_s": 0}, {"mooncake_protocol": "ib"}):
+        with pytest.raises(ValueError):
+            KVTransferConfig(**bad)
+    with pytest.raises(AttributeError):
+        KVTransferConfig().backend = "tcp"  # type: ignore[misc]  # frozen
+
+
+def test_layout_mismatch_and_args_validation() -> None:
+    a = KVLayout(16, 30, 3, 64, "torch.bfloat16", "m")
+    assert a.dtype == "bfloat16" and a.page_bytes == 16 * 3 * 64 * 2
+    assert a.mismatch(KVLayout(16, 30, 3, 64, "bfloat16", "m")) is None
+    assert a.mismatch(KVLayout(64, 30, 3, 64, "bfloat16", "m")) == (
+        "incompatible KV layout: page_size 16 != 64")
+    assert "model" in (a.mismatch(KVLayout(16, 30, 3, 64, "bfloat16", "other")) or "")
+    with pytest.raises(ValueError):
+        KVArgs(a, (1,) * 30, (1,) * 29, (a.page_bytes,) * 30, a.page_bytes, 1)
+    with pytest.raises(ValueError):  # buffers shorter than num_pages pages
+        KVArgs(a, (1,) * 30, (1,) * 30, (a.page_bytes,) * 30, a.page_bytes, 2)
+
+
+def test_crc_is_independent_of_region_merging() -> None:
+    buf = ctypes.create_string_buffer(bytes(range(256)) * 4)
+    base = ctypes.addressof(buf)
+    regions = list(page_regions([base, base + 512], [0, 1, 3], page_bytes=64))
+    assert regions == [(base, 128), (base + 192, 64), (base + 512, 128), (base + 704, 64)]
+    raw = buf.raw
+    expect = zlib.crc32(raw[0:128] + raw[192:256] + raw[512:640] + raw[704:768])
+    assert crc_regions(regions) == expect
+
+
+def test_metrics_snapshot() -> None:
+    st = TransferStats()
+    st.inc("bytes_sent", 10)
+    st.room_failed("incompatible KV layout: page_size 16 != 64")
+    st.observe_latency(0.02)
+    snap = st.snapshot()
+    assert snap["bytes_sent"] == 10 and snap["rooms_failed"] == 1
+    assert snap["failures_by_reason"] == {"incompatible KV layout": 1}
+    assert snap["latency_s"]["count"] == 1 and snap["latency_s"]["buckets"][0.025] == 1
+    with pytest.raises(KeyError):
+        st.inc("nope")
+
+
+def test_import_does_not_pull_torch_or_mooncake() -> None:
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys, kv_transfer; print('torch' in sys.modules, 'mooncake' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "False"]
