@@ -54,7 +54,9 @@ def build_payload(spec: RequestSpec, prompt: Prompt) -> dict[str, Any]:
             "stream_options": {"include_usage": True},
             "ignore_eos": spec.ignore_eos}  # an extra field, as vLLM accepts it
     if spec.backend == "openai":
-        body.update(prompt=prompt.text, max_tokens=prompt.output_len)
+        # Token ids when there is no text (no tokenizer): /v1/completions takes them too.
+        text_or_ids = prompt.text if prompt.text is not None else list(prompt.ids or ())
+        body.update(prompt=text_or_ids, max_tokens=prompt.output_len)
     else:
         # Both names: older servers read max_tokens, newer ones max_completion_tokens.
         body.update(messages=[{"role": "user", "content": prompt.text}],
@@ -108,18 +110,22 @@ def _finish_reason(value: Any) -> str:
 
 
 def _consume_generate(event: dict, state: StreamState) -> bool:
+    """New output = more ids, changed text, or a higher completion count. Any one suffices,
+    so incremental `output_ids` or a token that decodes to no text yet are still seen."""
+    before = (state.n_output_ids, state.text, state.completion_tokens or 0)
     meta = event.get("meta_info") or {}
     state.prompt_tokens = meta.get("prompt_tokens", state.prompt_tokens)
     state.completion_tokens = meta.get("completion_tokens", state.completion_tokens)
     state.cached_tokens = meta.get("cached_tokens", state.cached_tokens)
     state.finish_reason = _finish_reason(meta.get("finish_reason")) or state.finish_reason
     ids = event.get("output_ids")
-    text = event.get("text", state.text)
-    grew = len(ids) > state.n_output_ids if ids is not None else len(text) > len(state.text)
-    if ids is not None:
+    if isinstance(ids, list):
         state.n_output_ids = max(state.n_output_ids, len(ids))
-    state.text = text if isinstance(text, str) else state.text
-    return grew
+    text = event.get("text")
+    if isinstance(text, str):
+        state.text = text
+    return (state.n_output_ids > before[0] or state.text != before[1]
+            or (state.completion_tokens or 0) > before[2])
 
 
 def _consume_openai(event: dict, state: StreamState, chat: bool) -> bool:

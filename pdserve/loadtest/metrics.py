@@ -110,6 +110,8 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "duration": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        # Prompt tokens the server found in its prefix cache (when it reports them).
+        "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
         "request_throughput": len(ok) / dur,
         "request_goodput": good / dur if slos_ms else None,
         "output_throughput": total_out / dur,

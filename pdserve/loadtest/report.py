@@ -19,13 +19,13 @@ from pdserve.loadtest.metrics import percentile_key, summarize
 from pdserve.loadtest.runner import RunOutcome
 
 # Per-request arrays in every record (aligned with the requests; null where undefined).
-ARRAY_KEYS = ("input_lens", "output_lens", "ttfts", "tpots", "e2els", "errors")
+ARRAY_KEYS = ("input_lens", "output_lens", "ttfts", "tpots", "e2els", "cached_lens", "errors")
 # The run-level keys every record has (the schema test pins these).
 SUMMARY_KEYS = ("date", "label", "backend", "model_id", "tokenizer_id", "num_prompts",
                 "request_rate", "burstiness", "max_concurrency", "completed", "failed",
-                "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
-                "request_goodput", "output_throughput", "total_token_throughput",
-                "concurrency", "max_concurrent_requests")
+                "duration", "total_input_tokens", "total_output_tokens", "total_cached_tokens",
+                "request_throughput", "request_goodput", "output_throughput",
+                "total_token_throughput", "concurrency", "max_concurrent_requests")
 
 
 def _round(x: float | None) -> float | None:
@@ -40,6 +40,7 @@ def request_arrays(out: RunOutcome) -> dict:
         "ttfts": [_round(r.ttft) if r.success else None for r in rs],
         "tpots": [_round(r.tpot) if r.success else None for r in rs],
         "e2els": [_round(r.e2el) if r.success else None for r in rs],
+        "cached_lens": [r.cached_tokens if r.success else None for r in rs],
         "errors": [r.error for r in rs],
     }
     if out.cfg.save_detailed:
@@ -134,6 +135,7 @@ def format_table(row: dict) -> str:
              _line("Failed requests:", row["failed"]),
              _line("Benchmark duration (s):", row["duration"]),
              _line("Total input tokens:", row["total_input_tokens"]),
+             _line("Total cached prompt tokens:", row["total_cached_tokens"]),
              _line("Total generated tokens:", row["total_output_tokens"]),
              _line("Request throughput (req/s):", row["request_throughput"])]
     if row["request_goodput"] is not None:
@@ -147,6 +149,8 @@ def format_table(row: dict) -> str:
         lines.append(_line(f"Mean {short} (ms):", row[f"mean_{metric}_ms"]))
         lines.append(_line(f"Median {short} (ms):", row[f"median_{metric}_ms"]))
         for p in row.get("percentiles") or ():
+            if p == 50:  # the median line above already says it
+                continue
             key = percentile_key(p)
             lines.append(_line(f"{key.upper()} {short} (ms):", row[f"{key}_{metric}_ms"]))
     lines += error_lines(row.get("errors") or [])
@@ -173,6 +177,8 @@ RUN_COLUMNS = (("label", 18), ("rate", 7), ("ok", 5), ("fail", 5), ("req/s", 8),
 def _cell(value: object, width: int) -> str:
     if value is None:
         text = "-"
+    elif isinstance(value, str):
+        return f"{value[:width]:<{width}}"  # labels read left to right
     elif isinstance(value, float):
         text = "inf" if math.isinf(value) else f"{value:.2f}"
     else:
@@ -190,7 +196,8 @@ def run_cells(row: dict) -> list[object]:
 
 def format_runs(rows: list[dict]) -> str:
     """One line per run; latencies in ms."""
-    header = " ".join(f"{name:>{w}}" for name, w in RUN_COLUMNS)
+    header = " ".join(f"{name:<{w}}" if i == 0 else f"{name:>{w}}"
+                      for i, (name, w) in enumerate(RUN_COLUMNS))
     body = [" ".join(_cell(v, w) for v, (_, w) in zip(run_cells(r), RUN_COLUMNS, strict=True))
             for r in rows]
     return "\n".join([header, "-" * len(header), *body])

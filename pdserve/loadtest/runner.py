@@ -66,7 +66,9 @@ def pick_tokenizer(cfg: BenchConfig, model: str) -> BenchTokenizer | None:
             return load_tokenizer(cfg.tokenizer)
         except Exception as exc:  # any loader failure is a bad --tokenizer value
             raise BenchError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from exc
-    tok, _ = try_load_tokenizer([model])
+    tok, problems = try_load_tokenizer([model])
+    if problems:
+        note(f"no tokenizer from the served model's name ({problems[0]})")
     return tok
 
 
@@ -74,7 +76,8 @@ async def prepare(cfg: BenchConfig, client: httpx.AsyncClient) -> Setup:
     models = await server_info.fetch_models(client, cfg.base_url)
     model = cfg.model or server_info.first_model_id(models)
     tok = pick_tokenizer(cfg, model)
-    needs_text = cfg.backend != "generate" and cfg.dataset_name != "sharegpt"
+    # Chat messages are text; /generate and /v1/completions also take token ids.
+    needs_text = cfg.backend == "openai-chat" and cfg.dataset_name != "sharegpt"
     if needs_text and tok is None:
         raise BenchError(f"--backend {cfg.backend} with --dataset-name {cfg.dataset_name} "
                          "needs a tokenizer to turn token ids into text: pass --tokenizer "

@@ -66,8 +66,11 @@ class EngineClient:
     async def close(self, drain: bool = False) -> None:
         for t in self._tasks:
             t.cancel()
-        if self.alive:
-            await self.push.send(m.encode(m.Shutdown(drain)))
+        if self.alive and (self.proc is None or self.proc.is_alive()):
+            try:  # never block: with the scheduler gone a PUSH send would wait forever
+                await self.push.send(m.encode(m.Shutdown(drain)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("scheduler did not take the shutdown message")
         self.push.close(linger=500)
         self.pull.close(linger=0)
 

@@ -116,7 +116,7 @@ def run_ids(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.output_ids for o in llm.generate([list(p) for p in prompts], params)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def baseline_greedy(model: str) -> tuple[tuple[int, ...], ...]:
     """Greedy outputs of TINY_PROMPTS on the default engine (overlap loop, page 16)."""
     llm = get_llm(model)
@@ -128,7 +128,7 @@ def baseline_greedy(model: str) -> tuple[tuple[int, ...], ...]:
 # -- transformers reference -------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(model: str):
     from transformers import AutoModelForCausalLM
 
@@ -138,7 +138,7 @@ def hf_model(model: str):
     return m.eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_greedy(model: str, prompt: tuple[int, ...], max_new_tokens: int,
               stop_at_eos: bool) -> tuple[int, ...]:
     """transformers `generate` greedy continuation of one prompt (fp32, no padding)."""

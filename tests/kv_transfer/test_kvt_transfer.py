@@ -88,6 +88,9 @@ def test_checksum_end_to_end(pair: Pair) -> None:
     pair.manager(pair.decode, "ck", checksum=True)
     rng = random.Random(5)
     rooms = [make_room(pair, rng, tokens=rng.randint(1, 60)) for _ in range(12)]
+    before = pair.decode.call("metrics", "ck")
     launch(pair, rooms, mgr="ck", endpoint=ep)
     check_rooms(pair, rooms, mgr="ck")
-    assert pair.decode.call("metrics", "ck")["checksum_failures"] == 0
+    after = pair.decode.call("metrics", "ck")
+    assert after["checksum_failures"] == before["checksum_failures"]
+    assert after["rooms_succeeded"] - before["rooms_succeeded"] == len(rooms)

@@ -98,8 +98,10 @@ def _lengths(kind: str, body: dict) -> tuple[int, int]:
     if kind == "generate":
         n_prompt = len(body["input_ids"]) if "input_ids" in body else len(body["text"].split())
         return n_prompt, int(body["sampling_params"]["max_new_tokens"])
-    if kind == "openai":
-        return len(body["prompt"].split()), int(body["max_tokens"])
+    if kind == "openai":  # a text prompt, or token ids
+        prompt = body["prompt"]
+        return len(prompt) if isinstance(prompt, list) else len(prompt.split()), \
+            int(body["max_tokens"])
     return len(body["messages"][-1]["content"].split()), int(body["max_tokens"])
 
 

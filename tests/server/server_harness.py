@@ -1,0 +1,224 @@
+"""Machinery of the node-server tests: a live `pdserve serve` subprocess, and helpers to
+read its state (/server_info), its errors and its SSE streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "tiny-llama"
+STARTUP_TIMEOUT_S = 180  # ~10-20 s on a quiet 2-core machine; loaded CI is slower
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cmd(*flags: str, port: int | None = None, model: str = MODEL) -> list[str]:
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model]
+    if port is not None:
+        cmd += ["--port", str(port)]
+    return cmd + list(flags)
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name, or None if there is no such pid."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return raw[raw.rindex(")") + 2:].split()
+
+
+def child_pids(pid: int) -> dict[int, str]:
+    """Direct children of `pid`, as {pid: start time} (the start time tells a reused pid)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = {}
+    for tok in out.split():
+        st = _proc_stat(int(tok))
+        if st is not None:
+            children[int(tok)] = st[19]  # field 22: starttime
+    return children
+
+
+def is_alive(pid: int, start_time: str) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[19] == start_time and st[0] != "Z"
+
+
+class Server:
+    """`pdserve serve --model tiny-llama --port <free> *flags`, in its own session so that a
+    last-resort kill of its process group cannot reach pytest."""
+
+    def __init__(self, *flags: str, log_dir: Path) -> None:
+        self.flags = list(flags)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        self.tmp_dir = log_dir / f"tmp-{self.port}"  # the server's TMPDIR (IPC sockets)
+        self.proc: subprocess.Popen | None = None
+        self.children: dict[int, str] = {}
+        self.returncode: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> Server:
+        self._log = open(self.log_path, "w")  # closed in stop()
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir)}
+        self.proc = subprocess.Popen(
+            serve_cmd(*self.flags, port=self.port), cwd=REPO, env=env, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode} during "
+                                   f"start-up:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n"
+                                   f"{self.log()[-4000:]}")
+            time.sleep(0.3)
+        self.children = child_pids(self.proc.pid)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def scheduler_pid(self) -> int:
+        """The spawned scheduler child (the other child is multiprocessing's tracker)."""
+        for pid in self.children:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if b"spawn_main" in cmdline:
+                return pid
+        raise AssertionError(f"no scheduler child among {self.children}")
+
+    def terminate(self, timeout: float = 40) -> int:
+        """SIGTERM; wait for a clean exit. Returns the exit code (kills it on a hang)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._kill_group()
+                raise AssertionError(f"server ignored SIGTERM for {timeout}s:\n"
+                                     f"{self.log()[-3000:]}") from None
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def orphans(self, wait_s: float = 15) -> list[int]:
+        """Children seen at start-up that are still alive (waits up to `wait_s`)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = [p for p, t in self.children.items() if is_alive(p, t)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
+    def leftover_files(self) -> list[str]:
+        """What the server left in its TMPDIR (its IPC folder should be gone after exit)."""
+        return sorted(str(p.relative_to(self.tmp_dir)) for p in self.tmp_dir.rglob("*"))
+
+    def stop(self) -> None:
+        """Idempotent teardown: SIGTERM, then SIGKILL of the whole group; leave nothing."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._kill_group()
+        for pid, t in self.children.items():
+            if is_alive(pid, t):
+                os.kill(pid, signal.SIGKILL)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+    def _kill_group(self) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- state -----------------------------------------------------------------------------
+    def info(self) -> dict:
+        r = httpx.get(f"{self.url}/server_info", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def wait_pools_full(self, timeout: float = 15) -> dict:
+        """Poll /server_info until no request holds a KV page or a request slot, nothing
+        runs or waits, and the HTTP process holds no open request. Returns those stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            s = info["stats"]
+            if (s and s["pools_full"] and s["running"] == 0 and s["waiting"] == 0
+                    and s["free_slots"] == s["total_slots"] and s["kv_usage"] == 0
+                    and info["open_requests"] == 0):
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pools not back to full after {timeout}s: {info}")
+            time.sleep(0.1)
+
+    def generated_tokens(self) -> int:
+        return self.info()["stats"]["generated_tokens"]
+
+
+# -- responses -----------------------------------------------------------------------------
+def assert_error(resp: httpx.Response, status: int, *needles: str) -> dict:
+    """`resp` is an OpenAI-shaped JSON error with `status`; its message contains each needle
+    (case-insensitive). Returns the inner error object."""
+    assert resp.status_code == status, (resp.status_code, resp.text[:2000])
+    assert resp.headers["content-type"].startswith("application/json"), resp.headers
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert {"message", "type", "code"} <= set(err), err
+    assert isinstance(err["message"], str) and err["message"].strip(), err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert err["code"] is not None, err
+    for needle in needles:
+        assert needle.lower() in err["message"].lower(), (needle, err)
+    return err
+
+
+def sse_events(lines) -> list:
+    """Decode the `data:` lines of an SSE body: JSON objects, and the final "[DONE]"."""
+    events = []
+    for line in lines:
+        if not line.strip():
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

@@ -1,0 +1,106 @@
+"""SGLang-style POST /generate: `text` or `input_ids`, streaming or not. A stream is SSE
+`data: {...}` lines, each with the cumulative text/output_ids/meta_info so far, ending with
+`data: [DONE]`; the result equals the offline engine's."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_harness import sse_events
+
+PROMPT = "The quick brown fox"
+
+
+def _post(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/generate", json=body, timeout=120)
+
+
+def _stream(server, body: dict) -> tuple[httpx.Response, list]:
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True},
+                      timeout=120) as r:
+        if r.status_code != 200:
+            r.read()
+            return r, []
+        lines = list(r.iter_lines())
+    return r, sse_events(lines)
+
+
+def _check_result(obj: dict, ref, n_prompt: int) -> None:
+    assert obj["text"] == ref.text
+    assert obj["output_ids"] == ref.output_ids
+    meta = obj["meta_info"]
+    assert isinstance(meta["id"], str) and meta["id"]
+    assert meta["prompt_tokens"] == n_prompt
+    assert meta["completion_tokens"] == len(ref.output_ids)
+    assert meta["finish_reason"] == ref.finish_reason
+    assert isinstance(meta["cached_tokens"], int) and 0 <= meta["cached_tokens"] < n_prompt
+
+
+@pytest.mark.parametrize("by", ["text", "input_ids"])
+def test_generate_non_stream(server, offline, by):
+    ids = offline.encode(PROMPT)
+    ref = offline.greedy(ids, 12)
+    body = {by: PROMPT if by == "text" else ids,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    _check_result(r.json(), ref, len(ids))
+
+
+@pytest.mark.parametrize("by", ["text", "input_ids"])
+def test_generate_stream_is_cumulative_and_ends_with_done(server, offline, by):
+    ids = offline.encode(PROMPT) + ([7, 77, 777] if by == "input_ids" else [])
+    ref = offline.greedy(ids, 14)
+    body = {by: PROMPT if by == "text" else ids,
+            "sampling_params": {"max_new_tokens": 14, "temperature": 0}}
+    r, events = _stream(server, body)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    objs = events[:-1]
+    assert len(objs) >= 2  # really streamed
+    prev_text, prev_ids = "", []
+    rids = {o["meta_info"]["id"] for o in objs}
+    assert len(rids) == 1
+    for o in objs:
+        assert o["text"].startswith(prev_text)  # cumulative
+        assert o["output_ids"][:len(prev_ids)] == prev_ids
+        assert len(o["output_ids"]) >= len(prev_ids)
+        assert o["meta_info"]["completion_tokens"] == len(o["output_ids"])
+        prev_text, prev_ids = o["text"], o["output_ids"]
+    assert all(o["meta_info"]["finish_reason"] is None for o in objs[:-1])
+    _check_result(objs[-1], ref, len(ids))
+
+
+def test_generate_stream_equals_non_stream_with_stop(server, offline):
+    full = offline.greedy(PROMPT, 20)
+    at = len(offline.tokenizer.decode(full.output_ids[:6], skip_special_tokens=True))
+    stop = full.text[at:at + 4]
+    expected = full.text[:full.text.find(stop)]
+    sp = {"max_new_tokens": 20, "temperature": 0, "stop": [stop]}
+    r = _post(server, {"text": PROMPT, "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == expected
+    assert r.json()["meta_info"]["finish_reason"] == "stop"
+    _, events = _stream(server, {"text": PROMPT, "sampling_params": sp})
+    texts = [e["text"] for e in events[:-1]]
+    assert texts[-1] == expected
+    assert not any(stop in t for t in texts)
+
+
+def test_generate_seeded_sampling_is_reproducible(server, offline):
+    sp = {"max_new_tokens": 10, "temperature": 0.8, "top_k": 50, "seed": 5}
+    a = _post(server, {"text": PROMPT, "sampling_params": sp}).json()
+    b = _post(server, {"text": PROMPT, "sampling_params": sp}).json()
+    assert a["output_ids"] == b["output_ids"]
+    ref = offline.greedy(PROMPT, 10, temperature=0.8, top_k=50, seed=5)
+    assert a["output_ids"] == ref.output_ids
+
+
+def test_generate_rid_is_echoed(server):
+    r = _post(server, {"text": PROMPT, "rid": "my-request-1",
+                       "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["id"] == "my-request-1"
+    server.wait_pools_full()
