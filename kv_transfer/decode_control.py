@@ -12,7 +12,6 @@ pages on Failed, so Failed must mean "no write can land any more".
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -71,16 +70,19 @@ class DecodeControl(ControlLoop):
         if room in self._rooms:
             return self._fail_status(status, "duplicate room: a receiver for it is live")
         self._stats.inc("rooms_started")
-        # No deadline before init(): the scheduler may hold the request in its
-        # pre-allocation queue; the prefill's own bootstrap timeout bounds that wait.
-        self._rooms[room] = ReceiverRoom(room, status, endpoint, deadline=math.inf)
+        # Until init() the request may sit in the scheduler's pre-allocation queue; the
+        # prefill gives up on the room after its bootstrap timeout, so do we.
+        deadline = time.monotonic() + self._cfg.bootstrap_timeout_s
+        self._rooms[room] = ReceiverRoom(room, status, endpoint, deadline=deadline)
 
     def init_receiver(self, room: int, dst_pages: list[int], meta_slot: int,
                       prefix_len: int) -> None:
         r = self._rooms.get(room)
         if r is None or r.status.state == KVPoll.Failed or r.abort_reason:
             return
-        reason = self._check_init(r, dst_pages, meta_slot, prefix_len)
+        if r.requested:  # the first request may already be in flight: stop it first
+            return self._local_fail(r, "invalid init: called twice")
+        reason = self._check_init(dst_pages, meta_slot, prefix_len)
         peer = self._peer(r.endpoint) if reason is None else None
         if reason is None and peer is None:
             reason = f"bad prefill endpoint {r.endpoint!r}"
@@ -98,11 +100,8 @@ class DecodeControl(ControlLoop):
         peer.live.add(room)
         self._send(peer, Request(room, dst_pages, meta_slot, prefix_len))
 
-    def _check_init(self, r: ReceiverRoom, dst_pages: list[int], meta_slot: int,
-                    prefix_len: int) -> str | None:
+    def _check_init(self, dst_pages: list[int], meta_slot: int, prefix_len: int) -> str | None:
         a = self._args
-        if r.requested:
-            return "invalid init: called twice"
         if any(not 0 <= p < a.num_pages for p in dst_pages):
             return "invalid init: destination page index out of range"
         if len(set(dst_pages)) != len(dst_pages):
@@ -269,6 +268,12 @@ class DecodeControl(ControlLoop):
                 if now > r.abort_deadline:
                     self._finish(r, r.abort_reason)
             elif now > r.deadline:
-                self._local_fail(r, "bootstrap timeout: prefill never accepted the room"
-                                 if r.status.state == KVPoll.Bootstrapping
-                                 else "transfer timeout")
+                self._local_fail(r, self._timeout_reason(r))
+
+    @staticmethod
+    def _timeout_reason(r: ReceiverRoom) -> str:
+        if not r.requested:
+            return "bootstrap timeout: init() was not called"
+        if r.status.state == KVPoll.Bootstrapping:
+            return "bootstrap timeout: prefill never accepted the room"
+        return "transfer timeout"

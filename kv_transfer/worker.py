@@ -84,7 +84,7 @@ class TransferWorker:
         while (item := self._queue.get()) is not None:
             try:
                 if isinstance(item, TransferJob):
-                    self._on_result(self._process(item))
+                    self._on_result(self._safe_process(item))
                 else:
                     fn, fut = item
                     if fut.set_running_or_notify_cancel():
@@ -94,6 +94,15 @@ class TransferWorker:
                             fut.set_exception(exc)
             except Exception:  # never let one bad job kill the node's only transfer thread
                 log.exception("kv transfer thread: unexpected error")
+
+    def _safe_process(self, job: TransferJob) -> JobResult:
+        # Every job must report back, or its room would wait for it forever.
+        try:
+            return self._process(job)
+        except Exception as exc:
+            log.exception("kv transfer thread: job of room %d failed", job.room)
+            return JobResult(job, ok=False, skipped=False, checksum=0,
+                             reason=f"transfer failed: {type(exc).__name__}: {exc}")
 
     def _process(self, job: TransferJob) -> JobResult:
         for batch in job.entries.batches(self._config.max_batch_entries):

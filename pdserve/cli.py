@@ -16,7 +16,11 @@ import sys
 SUBCOMMANDS: list[str] = [
     "pdserve.commands.generate",
     "pdserve.server.cli",
+    "prefill_node.cli",
+    "decode_node.cli",
     "bootstrap.cli",
+    "pdserve.router.cli",
+    "pdserve.stack.cli",
     "pdserve.loadtest.cli",
 ]
 

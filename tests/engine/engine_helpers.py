@@ -9,6 +9,7 @@ them are idle with their KV pages and request slots back to full.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 
 import torch
@@ -48,6 +49,8 @@ def discard_llm(llm: LLM) -> None:
     for key, value in list(_LLMS.items()):
         if value is llm:
             del _LLMS[key]
+    if llm in USED:
+        USED.remove(llm)
     llm.close()
 
 
@@ -114,6 +117,31 @@ def greedy(max_new_tokens: int, **kw) -> SamplingParams:
 
 def run_ids(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.output_ids for o in llm.generate([list(p) for p in prompts], params)]
+
+
+_rids = itertools.count()
+
+
+def run_bounded(llm: LLM, prompts, params: SamplingParams, max_steps: int = 3000):
+    """Like `generate`, through the engine API, but fails instead of spinning forever when
+    the scheduler stops making progress. Returns the finished requests in prompt order."""
+    import pytest
+
+    eng = llm.engine
+    reqs = [eng.add_request(f"bounded-{next(_rids)}", list(p), params) for p in prompts]
+    for _ in range(max_steps):
+        if not eng.has_work():
+            break
+        eng.step()
+    eng.loop.drain()
+    if eng.has_work():
+        state = [(r.state.value, len(r.prompt_ids), r.kv_len, len(r.pages), len(r.output_ids))
+                 for r in reqs if not r.finished]
+        stats = eng.memory_stats()
+        discard_llm(llm)  # stuck for good: do not reuse it
+        pytest.fail(f"engine made no progress in {max_steps} steps; unfinished requests "
+                    f"(state, prompt, kv_len, pages, outputs): {state}; memory: {stats}")
+    return reqs
 
 
 @functools.cache

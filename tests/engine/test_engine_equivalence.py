@@ -14,6 +14,7 @@ from engine_helpers import (
     get_llm,
     greedy,
     random_prompt,
+    run_bounded,
     run_ids,
 )
 
@@ -27,6 +28,7 @@ VARIANTS = {
     "page-1": dict(page_size=1),
     "no-prefix-cache": dict(disable_prefix_cache=True),
     "lpm-3-running": dict(schedule_policy="lpm", max_running_requests=3),
+    "1-running": dict(max_running_requests=1),
 }
 
 
@@ -146,11 +148,18 @@ def _roomy_reference(model: str) -> list[list[int]]:
     return run_ids(get_llm(model), RETRACT_PROMPTS, _retract_params())
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+TIGHT = {
+    "overlap": TINY_POOL,
+    "normal": dict(TINY_POOL, disable_overlap=True),
+    "page-1": dict(page_size=1, max_total_tokens=160, decode_reserve_tokens=0),
+}
+
+
+@pytest.mark.parametrize("tight_cfg", list(TIGHT))
 @pytest.mark.parametrize("model", TINY_MODELS)
-def test_retraction_gives_same_tokens(model, overlap):
+def test_retraction_gives_same_tokens(model, tight_cfg):
     ref = _roomy_reference(model)
-    tight = get_llm(model, disable_overlap=not overlap, **TINY_POOL)
+    tight = get_llm(model, **TIGHT[tight_cfg])
     need = sum(len(p) + 48 for p in RETRACT_PROMPTS)
     assert need > 2 * tight.engine.max_total_tokens  # cannot all fit at once
     before = tight.engine.sched.num_retractions
@@ -168,3 +177,35 @@ def test_retraction_without_prefix_cache():
     outs = run_ids(tight, RETRACT_PROMPTS, _retract_params())
     assert tight.engine.sched.num_retractions > before
     assert outs == ref
+
+
+# Long prompts prefilled in chunks on a pool that holds each request alone but not all of
+# them at once: admitting every prompt's first chunks must not leave the pool full of
+# half-prefilled requests that can neither finish their prefill nor be retracted.
+CHUNK_POOLS = {
+    "default-reserve-overlap": (
+        dict(page_size=16, max_total_tokens=512, chunked_prefill_size=64),
+        [random_prompt(300, seed=400 + i) for i in range(4)], 16),
+    "default-reserve-normal": (
+        dict(page_size=16, max_total_tokens=512, chunked_prefill_size=64, disable_overlap=True),
+        [random_prompt(300, seed=400 + i) for i in range(4)], 16),
+    "no-reserve-page-4": (
+        dict(page_size=4, max_total_tokens=256, chunked_prefill_size=32, decode_reserve_tokens=0),
+        [random_prompt(150 - 20 * i, seed=410 + i) for i in range(5)], 40),
+    "2-running-normal": (
+        dict(page_size=4, max_total_tokens=256, chunked_prefill_size=32, max_running_requests=2,
+             disable_overlap=True),
+        [random_prompt(150 - 20 * i, seed=420 + i) for i in range(3)], 40),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNK_POOLS))
+def test_chunked_prefill_on_a_tight_pool_completes(case):
+    cfg, prompts, n = CHUNK_POOLS[case]
+    llm = get_llm("tiny-llama", **cfg)
+    for p in prompts:  # every request fits the pool on its own
+        assert len(p) + n <= llm.engine.max_total_tokens
+    ref = run_ids(get_llm("tiny-llama"), prompts, greedy(n, ignore_eos=True))
+    reqs = run_bounded(llm, prompts, greedy(n, ignore_eos=True), max_steps=1000)
+    assert [r.output_ids for r in reqs] == ref
+    assert all(r.finish_reason == "length" for r in reqs)

@@ -233,18 +233,33 @@ def _handle(node: _Node, name: str, args: tuple[Any, ...]) -> Any:
     raise ValueError(f"unknown command {name}")
 
 
-def _raw_write(node: _Node, session: str, dst_ptr: int, entries: int, size: int,
-               dst_span: int) -> int:
-    """Bypass the manager's batching: one raw batch of `entries` writes of `size` bytes on
-    the transfer thread, cycling over `dst_span` bytes at dst_ptr (used to poison
-    Mooncake's path for real; harmless on the tcp backend)."""
+def _raw_batch(node: _Node, dst_ptr: int, entries: int, size: int, dst_span: int) -> Any:
+    """`entries` writes of `size` bytes cycling over our layer-0 K buffer and over
+    `dst_span` bytes at dst_ptr (overlapping writes are fine for these tests)."""
     from kv_transfer.runs import Entries
 
+    args = node.managers["main"].args
+    src, src_slots, dst_slots = args.k_ptrs[0], args.buf_lens[0] // size, dst_span // size
+    return Entries([src + (i % src_slots) * size for i in range(entries)],
+                   [dst_ptr + (i % dst_slots) * size for i in range(entries)], [size] * entries)
+
+
+def _raw_write(node: _Node, session: str, dst_ptr: int, entries: int, size: int,
+               dst_span: int, threads: int = 1) -> list[int]:
+    """Bypass the manager: raw batches straight into the backend. With threads > 1 this
+    deliberately breaks the one-transfer-thread rule (from the transfer thread plus extra
+    threads at once) to reproduce Mooncake's path poisoning (kvcache-ai/Mooncake#4209)."""
     mgr = node.managers["main"]
-    src, src_slots, dst_slots = mgr.args.k_ptrs[0], mgr.args.buf_lens[0] // size, dst_span // size
-    batch = Entries([src + (i % src_slots) * size for i in range(entries)],
-                    [dst_ptr + (i % dst_slots) * size for i in range(entries)], [size] * entries)
-    return mgr.run_on_transfer_thread(lambda b: b.write(session, batch)).result(timeout=60)
+    batch = _raw_batch(node, dst_ptr, entries, size, dst_span)
+    rcs: list[int] = []
+    extra = [threading.Thread(target=lambda: rcs.append(mgr.backend.write(session, batch)))
+             for _ in range(threads - 1)]
+    for t in extra:
+        t.start()
+    rcs.append(mgr.run_on_transfer_thread(lambda b: b.write(session, batch)).result(60))
+    for t in extra:
+        t.join(60)
+    return rcs
 
 
 def node_main(conn: Any, role: str, backend: str, cfg: dict[str, Any], seed: int) -> None:

@@ -6,8 +6,8 @@ import random
 import struct
 from typing import Any
 
-from conftest import Pair
 from kvt_harness import LAYOUT, PREFILL_PAGES
+from kvt_pair import Pair
 
 SUCCESS, TRANSFERRING, WAITING, FAILED = 4, 3, 2, 0
 BUFFERS = 2 * LAYOUT["num_layers"]  # K and V of every layer

@@ -6,8 +6,8 @@ import random
 import time
 
 import pytest
-from conftest import FAST, HEARTBEAT_BOUND_S, Pair, start_nodes
 from kvt_helpers import FAILED, TRANSFERRING, WAITING, check_rooms, launch, make_room
+from kvt_pair import FAST, HEARTBEAT_BOUND_S, Pair, start_nodes
 
 pytestmark = pytest.mark.timeout(90)
 # Detection needs the heartbeat bound plus a control-loop tick; allow scheduling noise on a
@@ -26,6 +26,7 @@ def wait_failed_within(node, rooms: list[dict], bound: float, t0: float) -> dict
     ids = [r["room"] for r in rooms]
     states = node.wait(ids, timeout=bound + 10)
     elapsed = time.monotonic() - t0
+    print(f"rooms failed {elapsed:.2f}s after the fault (bound {bound:.2f}s)")
     assert all(s == FAILED for s, _ in states.values()), states
     assert elapsed < bound, f"rooms failed after {elapsed:.2f}s, bound {bound:.2f}s"
     return states

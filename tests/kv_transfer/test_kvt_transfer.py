@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import Pair
 from kvt_harness import LAYOUT, PREFILL_PAGES
 from kvt_helpers import BUFFERS, META_BUFFERS, PAGE_BYTES, check_rooms, launch, make_room, meta_rows
+from kvt_pair import Pair
 
 pytestmark = pytest.mark.timeout(90)
 def test_random_pages_byte_exact(pair: Pair) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -132,3 +134,61 @@ def test_import_does_not_pull_torch_or_mooncake() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_mooncake_env_comes_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kv_transfer.backends.mooncake import set_mooncake_env
+
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    set_mooncake_env(KVTransferConfig(transfer_timeout_s=12.5))
+    assert os.environ["MC_TRANSFER_TIMEOUT"] == "13"
+    assert os.environ["MC_LOG_LEVEL"] == "ERROR"
+
+
+def _ctypes_args(num_pages: int, fill: int) -> tuple[KVArgs, list]:
+    layout = KVLayout(2, 2, 1, 8, "float32", "m")  # 64-byte pages
+    bufs = [ctypes.create_string_buffer(bytes([fill + i]) * (num_pages * 64)) for i in range(4)]
+    meta = ctypes.create_string_buffer(8 * 4)
+    ptrs = [ctypes.addressof(b) for b in bufs]
+    args = KVArgs(layout, tuple(ptrs[:2]), tuple(ptrs[2:]), (num_pages * 64,) * 2, 64,
+                  num_pages, (ctypes.addressof(meta),), (8,), 4)
+    return args, [*bufs, meta]
+
+
+def test_tcp_backend_serves_when_mooncake_cannot_be_imported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process prefill and decode on the tcp backend, with Mooncake made unimportable:
+    the mooncake backend says why and how to proceed; tcp transfers bytes exactly."""
+    from kv_transfer import (
+        BackendUnavailable,
+        KVManager,
+        KVReceiver,
+        KVSender,
+        available_backends,
+        mooncake_import_error,
+    )
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    assert "mooncake.engine" in (mooncake_import_error() or "")
+    assert available_backends() == ["tcp"]
+    src_args, src_keep = _ctypes_args(8, fill=1)
+    dst_args, dst_keep = _ctypes_args(8, fill=0)
+    with pytest.raises(BackendUnavailable, match="tcp"):
+        KVManager(src_args, "prefill", KVTransferConfig(backend="mooncake"))
+    cfg = KVTransferConfig(backend="tcp", checksum=True, tick_s=0.01)
+    with KVManager(src_args, "prefill", cfg) as pre, KVManager(dst_args, "decode", cfg) as dec:
+        s, r = KVSender(pre, 9), KVReceiver(dec, 9, pre.endpoint)
+        r.init([5, 6], metadata_slot=3)
+        deadline = time.monotonic() + 10
+        while s.poll() < KVPoll.WaitingForInput and time.monotonic() < deadline:
+            time.sleep(0.005)
+        s.init(2, metadata_slot=1)
+        s.send([0, 1], last=True, metadata=b"firsttok")
+        while not r.poll().terminal and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert r.poll() == KVPoll.Success, r.failure_reason
+        assert r.metadata() == [b"firsttok"]
+    for i in range(4):  # K/V buffers: pages 5 and 6 hold pages 0 and 1 of the source
+        assert dst_keep[i].raw[5 * 64:7 * 64] == src_keep[i].raw[:128]
+        assert dst_keep[i].raw[:5 * 64] == bytes([i]) * (5 * 64)  # untouched

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import Pair
 from kvt_harness import LAYOUT
 from kvt_helpers import FAILED, SUCCESS, check_rooms, launch, make_room
+from kvt_pair import Pair
 from kvt_rogue import RogueDecode, pack, register_fields
 
 pytestmark = pytest.mark.timeout(90)

@@ -183,6 +183,22 @@ def test_health_is_200(server):
     assert r.status_code == 200 and r.json() == {"status": "ok"}
 
 
+HUGE = 2**64  # valid JSON, but no 64-bit integer holds it
+
+
+@pytest.mark.parametrize(("path", "field"), [
+    ("/generate", "seed"), ("/generate", "stop_token_ids"), ("/generate", "max_tokens"),
+    ("/generate", "top_k"), ("/v1/completions", "seed"), ("/v1/completions", "max_tokens"),
+    ("/v1/chat/completions", "stop_token_ids"), ("/v1/chat/completions", "top_k"),
+])
+def test_integers_beyond_64_bits_are_400_not_500(server, path, field):
+    value = [HUGE] if field == "stop_token_ids" else HUGE
+    r = post(server, path, with_sampling(path, **{field: value}))
+    assert_error(r, 400)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    server.wait_pools_full(timeout=5, open_requests=True)  # nothing left behind
+
+
 def test_server_keeps_serving_after_bad_input(server, client, offline):
     """Runs after the error tests above (file order): outputs still exact, pools full."""
     for prompt in ("After the errors", "still fine?"):
@@ -190,5 +206,5 @@ def test_server_keeps_serving_after_bad_input(server, client, offline):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
                                       temperature=0)
         assert r.choices[0].text == ref.text
-    server.wait_pools_full()
+    server.wait_pools_full(open_requests=True)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -78,7 +78,7 @@ def test_load_gauges_show_a_running_request(server):
             "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
     peak_running, peak_usage = 0.0, 0.0
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
-        for n, line in enumerate(r.iter_lines()):
+        for n, _line in enumerate(r.iter_lines()):
             if n % 40 == 0:
                 m = scrape(server)
                 peak_running = max(peak_running, m["pdserve_num_requests_running"])
