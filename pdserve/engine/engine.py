@@ -17,6 +17,7 @@ from pdserve.engine.loops import NormalLoop, OverlapLoop
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Req
+from pdserve.engine.role import Role
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.staging import StagingRing
@@ -35,8 +36,9 @@ def load_tokenizer(path):
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, role: Role | None = None) -> None:
         self.cfg = cfg
+        self.role = role or Role()
         self.device = cfg.torch_device()
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, self.device,
                                               cfg.model_cache_dir)
@@ -52,10 +54,11 @@ class Engine:
         self.kv = KVManager(self.kv_pool, req_pool, use_cache=not cfg.disable_prefix_cache)
         self.future_map = FutureMap(cfg.max_running_requests, self.device)
         self.staging = StagingRing(self.device)
-        self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging)
+        self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role)
         runner = ModelRunner(self.loaded.model, self.kv_pool, self.future_map,
                              Sampler(self.device, cfg.seed), self.device)
-        self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length)
+        self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length,
+                                   self.role)
         if cfg.overlap:
             self.executor = ThreadedExecutor(runner)
             self.loop = OverlapLoop(self.sched, self.executor, self.out)
@@ -63,6 +66,7 @@ class Engine:
             self.executor = InlineExecutor(runner)
             self.loop = NormalLoop(self.sched, self.executor, self.out)
         self.requests: dict[str, Req] = {}
+        self.role.attach(self)
 
     def _num_pages(self) -> int:
         tokens = self.cfg.max_total_tokens or (self.cfg.kv_cache_mb << 20) // \
@@ -74,8 +78,10 @@ class Engine:
         return self.kv_pool.num_pages * self.cfg.page_size
 
     # -- requests ---------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req:
-        """Validate and enqueue. Raises ValueError with a readable message on bad input."""
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    extra: dict | None = None) -> Req:
+        """Validate and hand to the role (colocated: the waiting queue). Raises ValueError
+        with a readable message on bad input; `extra` holds role fields (bootstrap_room)."""
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         params.validate()
@@ -84,8 +90,8 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
+        self.role.add_request(req, dict(extra or {}))
         self.requests[rid] = req
-        self.sched.add(req)
         return req
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -107,16 +113,22 @@ class Engine:
         req = self.requests.get(rid)
         if req is None or req.finished:
             return False
+        req.error = req.error or "aborted"
         self.out.finish(req, "abort")
         return True
 
     # -- running ------------------------------------------------------------------------
     def has_work(self) -> bool:
+        return self.has_runnable() or self.role.has_work()
+
+    def has_runnable(self) -> bool:
+        """Work the scheduler can do now (as opposed to waiting on a transfer)."""
         return self.sched.has_work() or bool(getattr(self.loop, "results", None))
 
     def step(self) -> list[Req]:
         """One loop iteration; returns the requests that finished in it."""
         try:
+            self.role.poll()
             self.loop.step()
         except Exception:
             log.exception("engine step failed; failing every live request")
@@ -152,4 +164,5 @@ class Engine:
         return self.kv.idle_is_full()
 
     def close(self) -> None:
+        self.role.close()
         self.executor.close()

@@ -14,11 +14,14 @@ from pdserve.engine.batch import Batch
 from pdserve.engine.executor import ResultHandle
 from pdserve.engine.kv_manager import KVManager
 from pdserve.engine.request import Req
+from pdserve.engine.role import Role
 from pdserve.engine.scheduler import Scheduler
 
 
 class OutputProcessor:
-    def __init__(self, sched: Scheduler, kv: KVManager, tokenizer, context_length: int) -> None:
+    def __init__(self, sched: Scheduler, kv: KVManager, tokenizer, context_length: int,
+                 role: Role) -> None:
+        self.role = role
         self.sched = sched
         self.kv = kv
         self.tokenizer = tokenizer
@@ -41,13 +44,15 @@ class OutputProcessor:
             self.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._stop_reason(req)
+            reason = self.stop_reason(req)
             if reason:
                 self.finish(req, reason)
+        if batch.kind == "extend":
+            self.role.on_extend_processed(batch)
         self.processed_seq = batch.seq
         self._release_ready()
 
-    def _stop_reason(self, req: Req) -> str | None:
+    def stop_reason(self, req: Req) -> str | None:
         tok, p = req.output_ids[-1], req.params
         if tok in req.eos_ids or tok in p.stop_token_ids:
             return "stop"
@@ -75,6 +80,11 @@ class OutputProcessor:
             req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         req.finish(reason)
         self.sched.remove(req)
+        if not self.role.hold_on_finish(req):
+            self.complete(req, cache_it)
+
+    def complete(self, req: Req, cache_it: bool = True) -> None:
+        """Report `req` as finished and free its KV once no launched batch touches it."""
         self.finished.append(req)
         if req.slot is not None:
             self._pending.append((self.sched.seq, req, cache_it))

@@ -17,6 +17,7 @@ from pdserve.engine.batch import Batch, Row, pack_batch
 from pdserve.engine.future_map import FutureMap
 from pdserve.engine.kv_manager import KVManager
 from pdserve.engine.request import Req, ReqState
+from pdserve.engine.role import Role
 from pdserve.engine.staging import StagingRing
 
 NEED_SYNC = "need_sync"
@@ -24,8 +25,9 @@ NEED_SYNC = "need_sync"
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVManager, future_map: FutureMap,
-                 staging: StagingRing) -> None:
+                 staging: StagingRing, role: Role) -> None:
         self.cfg = cfg
+        self.role = role
         self.kv = kv
         self.future_map = future_map
         self.staging = staging
@@ -37,6 +39,11 @@ class Scheduler:
     # -- queues ---------------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+
+    def add_prefilled(self, req: Req) -> None:
+        """A request whose prompt KV and first token are already in place (decode role)."""
+        req.state = ReqState.RUNNING
+        self.running.append(req)
 
     def remove(self, req: Req) -> None:
         if req in self.running:
@@ -64,6 +71,8 @@ class Scheduler:
         self.seq += 1
         batch = Batch(self.seq, kind, tuple(rows))
         pack_batch(batch, self.kv.req_pool.table, self.staging)
+        if kind == "extend":
+            self.role.on_extend_scheduled(batch)
         return batch
 
     # -- prefill ------------------------------------------------------------------------
@@ -95,6 +104,7 @@ class Scheduler:
                 req.prepare_fill()
                 if not self.kv.admit(req):
                     break
+                self.role.on_admitted(req)
             row = self._extend_row(req, min(budget, chunk))
             if row is None:
                 self.kv.release(req, cache_it=False)

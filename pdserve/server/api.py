@@ -85,6 +85,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         sp = body.sampling_params.model_dump()
         extra = {k: v for k in ("bootstrap_room", "prefill_node_id")
                  if (v := getattr(body, k)) is not None}
+        extra = await front.resolve_extra(extra)
         if body.stream:
             events = await _started(front.run(ids, sp, body.rid, extra))
             return StreamingResponse(_generate_sse(events), media_type="text/event-stream")

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
+from pdserve.disagg.config import PDConfig
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class ServerConfig:
     request_timeout_s: float = 600.0  # whole-request bound; beyond it 408
     max_body_bytes: int = 4 << 20  # larger bodies get 413
     log_level: str = "info"
+    role: str = "colocated"  # colocated | prefill | decode
+    pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
 
     @property
     def model_name(self) -> str:
@@ -41,7 +44,7 @@ class ServerConfig:
         EngineConfig.add_cli_args(p)
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> ServerConfig:
+    def from_cli(cls, args: argparse.Namespace, role: str = "colocated") -> ServerConfig:
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
         if args.max_queued_requests < 1 or args.request_timeout_s <= 0:
@@ -51,5 +54,6 @@ class ServerConfig:
             served_model_name=args.served_model_name,
             max_queued_requests=args.max_queued_requests,
             request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
-            log_level=args.log_level,
+            log_level=args.log_level, role=role,
+            pd=PDConfig.from_cli(args) if role != "colocated" else None,
         )

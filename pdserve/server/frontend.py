@@ -34,6 +34,13 @@ class Frontend:
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.leg_resolver = None  # decode nodes: resolves prefill_node_id (registration.py)
+
+    async def resolve_extra(self, extra: dict) -> dict:
+        """Role fields of a /generate leg, completed (decode: the prefill's KV endpoint)."""
+        if self.leg_resolver is not None and self.cfg.role == "decode":
+            return await self.leg_resolver.resolve(extra)
+        return extra
 
     @property
     def context_length(self) -> int:

@@ -78,6 +78,16 @@ def serve(cfg: ServerConfig) -> int:
             stop_process(proc)
 
 
+def _register(cfg, client, front):
+    from pdserve.disagg.registration import PrefillPeerResolver, register_node
+
+    registry, record = register_node(cfg, client.ready, lambda: client.stats)
+    if cfg.role == "decode":
+        front.leg_resolver = PrefillPeerResolver(registry, record)
+    log.info("registered as %s (%s) at %s", record["node_id"], cfg.role, cfg.pd.registry_url)
+    return registry
+
+
 async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
     ctx = zmq.asyncio.Context()
     client = EngineClient(ctx, to_sched, from_sched, proc)
@@ -91,10 +101,13 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
         return 1
     client.start()
     front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
+    registry = _register(cfg, client, front) if cfg.pd is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
+        if registry is not None:  # leave the registry first: no new legs come our way
+            await asyncio.to_thread(registry.close)
         await client.close()  # tells the scheduler to abort what is left and exit
 
     app = build_app(front, lifespan)
@@ -102,7 +115,7 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug"))
-    log.info("serving %s on http://%s:%d", cfg.model_name, cfg.host, cfg.port)
+    log.info("serving %s (%s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
     await server.serve()
     ctx.term()
     return 0

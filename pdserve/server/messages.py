@@ -63,6 +63,7 @@ class Ready:
     vocab_size: int
     max_total_tokens: int
     page_size: int
+    kv_info: dict = field(default_factory=dict)  # PD nodes: registry transfer fields
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Stats:
     overlap_disabled: dict
     retractions: int
     generated_tokens: int
+    role: dict = field(default_factory=dict)  # role queues and transfer counters
 
 
 MESSAGES = {cls.__name__: cls for cls in (

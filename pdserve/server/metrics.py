@@ -4,7 +4,11 @@ gauges read from the scheduler's latest `Stats` at scrape time."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                    0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -35,6 +39,33 @@ class _SchedulerCollector:
         yield c
         yield CounterMetricFamily("pdserve_retractions", "requests retracted under KV pressure",
                                   value=s.retractions)
+        yield from _role_metrics(s.role)
+
+
+def _role_metrics(role: dict):
+    """PD nodes: queue length per stage, KV transfer bytes, rooms, failures, latency."""
+    if not role:
+        return
+    q = GaugeMetricFamily("pdserve_pd_queue_length", "requests per PD stage", labels=["stage"])
+    for key, value in sorted(role.items()):
+        if key.endswith("_queue"):
+            q.add_metric([key.removesuffix("_queue")], value)
+    yield q
+    t = role.get("transfer") or {}
+    for key in ("bytes_sent", "bytes_received", "rooms_started", "rooms_succeeded",
+                "rooms_failed", "engine_calls", "engine_failures", "engine_recreations",
+                "bad_messages", "checksum_failures"):
+        if key in t:
+            yield CounterMetricFamily(f"pdserve_kv_transfer_{key}", f"KV transfer {key}",
+                                      value=t[key])
+    lat = t.get("latency_s")
+    if lat:
+        # kv_transfer's bucket counts are already cumulative (le semantics).
+        out = [(repr(b), n) for b, n in sorted((float(k), v) for k, v in lat["buckets"].items())]
+        out.append(("+Inf", lat["count"]))
+        yield HistogramMetricFamily("pdserve_kv_transfer_latency_seconds",
+                                    "per-room KV transfer latency", buckets=out,
+                                    sum_value=lat["sum"])
 
 
 class Metrics:

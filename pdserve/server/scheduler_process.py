@@ -14,6 +14,7 @@ import time
 
 import zmq
 
+from pdserve.disagg.roles import make_role
 from pdserve.engine.engine import Engine
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import messages as m
@@ -27,21 +28,24 @@ class SchedulerService:
     def __init__(self, cfg: ServerConfig, recv: zmq.Socket, send: zmq.Socket) -> None:
         self.cfg = cfg
         self.recv, self.send = recv, send
-        self.engine = Engine(cfg.engine)
+        self.engine = Engine(cfg.engine, make_role(cfg))
         self.sent: dict[str, int] = {}  # rid -> output ids already sent
         self.stopping = False
         self._last_stats = 0.0
 
     def ready_message(self) -> m.Ready:
         e = self.engine
+        mgr = getattr(e.role, "mgr", None)
+        kv_info = mgr.registry_fields() if mgr is not None else {}
         return m.Ready(self.cfg.model_name, e.context_length, e.loaded.hf_config.vocab_size,
-                       e.max_total_tokens, self.cfg.engine.page_size)
+                       e.max_total_tokens, self.cfg.engine.page_size, kv_info)
 
     def serve_forever(self, parent_pid: int) -> None:
         self.send.send(m.encode(self.ready_message()))
         while not self.stopping:
-            busy = self.engine.has_work()
-            self._receive(timeout_ms=0 if busy else 100)
+            # Runnable work: do not wait. Only transfers pending: poll them every 2 ms.
+            timeout = 0 if self.engine.has_runnable() else 2 if self.engine.has_work() else 100
+            self._receive(timeout_ms=timeout)
             if self.engine.has_work():
                 finished = self.engine.step()
                 self._emit(finished)
@@ -83,7 +87,7 @@ class SchedulerService:
             return
         try:
             params = SamplingParams(**msg.sampling)
-            self.engine.add_request(msg.rid, msg.input_ids, params)
+            self.engine.add_request(msg.rid, msg.input_ids, params, msg.extra)
         except (ValueError, TypeError) as exc:
             self._reply(m.Rejected(msg.rid, 400, str(exc)))
             return
@@ -130,10 +134,23 @@ class SchedulerService:
             kv_usage=used / s["total_pages"], cache_hit_rate=hit,
             free_pages=s["free_pages"], total_pages=s["total_pages"],
             free_slots=s["free_slots"], total_slots=s["total_slots"],
-            pools_full=e.pools_full() and not e.requests,
+            pools_full=e.pools_full() and not e.requests and _role_full(e.role),
             overlap_disabled=dict(e.loop.stats.overlap_disabled),
             retractions=e.sched.num_retractions, generated_tokens=e.out.generated_tokens,
+            role=_str_keys(e.role.stats()),
         )
+
+
+def _str_keys(obj):
+    """msgpack maps on our wire have string keys only (histogram buckets are floats)."""
+    if isinstance(obj, dict):
+        return {str(k): _str_keys(v) for k, v in obj.items()}
+    return obj
+
+
+def _role_full(role) -> bool:
+    s = role.stats()
+    return s.get("free_metadata_slots") == s.get("total_metadata_slots")
 
 
 def run_scheduler(cfg: ServerConfig, recv_addr: str, send_addr: str, parent_pid: int) -> None:

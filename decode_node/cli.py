@@ -1,0 +1,7 @@
+"""`pdserve decode`."""
+
+from pdserve.disagg.node_cli import add_node_parser
+
+
+def add_parser(sub) -> None:
+    add_node_parser(sub, "decode")

@@ -1,0 +1,163 @@
+"""The decode role (DESIGN §2, §6). Life of a request on a decode node:
+
+1. Arrival. The /generate leg carries `bootstrap_room` and the prefill node's KV endpoint
+   (the HTTP front looked `prefill_node_id` up in the registry and checked the layout).
+   A KVReceiver is made for the room; the request waits in the pre-allocation queue.
+2. Pre-allocation. In arrival order, a request is admitted only when its prompt pages
+   plus the decode reservation of everything running fit (else it waits: back-pressure,
+   never failure). It gets a request slot, its prompt pages (a cached prefix is reused
+   and not transferred) and a metadata slot; `init` tells the prefill where to write.
+3. Transfer queue. The receiver is polled. Success: the metadata row's room stamp is
+   checked, the first token is committed, and the request joins the running batch as
+   already prefilled (it never runs prefill here). Failed: the request ends with the
+   error and everything it held is freed.
+4. Decode. The shared overlap loop decodes it with FutureMap token resolution;
+   retraction under KV pressure re-prefills it locally from prompt + outputs.
+Abort at any stage: a receiver still transferring is aborted and its pages are freed
+only once it is Failed (then no write from the prefill can land any more).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kv_transfer import KVPoll, KVReceiver, KVTransferConfig
+from pdserve.disagg.metadata import MetadataPool, unpack_row
+from pdserve.disagg.transfer_setup import make_kv_manager
+from pdserve.engine.request import ReqState
+from pdserve.engine.role import Role
+
+log = logging.getLogger("pdserve.decode")
+
+
+class DecodeRole(Role):
+    name = "decode"
+
+    def __init__(self, transfer: KVTransferConfig, model_name: str) -> None:
+        self.transfer_cfg = transfer
+        self.model_name = model_name
+        self.prealloc: list = []  # step 2
+        self.transferring: list = []  # step 3
+        self.draining: list = []  # aborted while transferring: waiting for Failed
+
+    def attach(self, engine) -> None:
+        super().attach(engine)
+        self.meta = MetadataPool(2 * engine.cfg.max_running_requests)
+        self.mgr = make_kv_manager(engine, "decode", self.meta, self.transfer_cfg,
+                                   self.model_name)
+
+    # 1. arrival ------------------------------------------------------------------------------
+    def add_request(self, req, extra: dict) -> None:
+        room = extra.pop("bootstrap_room", None)
+        endpoint = extra.pop("prefill_kv_endpoint", None)
+        extra.pop("prefill_node_id", None)
+        if extra:
+            raise ValueError(f"unexpected fields for a decode node: {sorted(extra)}")
+        if not isinstance(room, int) or not 0 <= room < 1 << 63:
+            raise ValueError("a decode node needs `bootstrap_room` (an integer in [0, 2^63))")
+        if not endpoint:
+            raise ValueError("a decode node needs `prefill_node_id` of a live prefill node")
+        req.room, req.meta_slot = room, None
+        req.receiver = KVReceiver(self.mgr, room, endpoint)
+        self.prealloc.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.transferring or self.draining)
+
+    def poll(self) -> None:
+        self._poll_prealloc()
+        self._poll_transfers()
+        for req in list(self.draining):
+            if req.receiver.poll().terminal:
+                self.draining.remove(req)
+                self._free_meta(req)
+                self.engine.out.complete(req, cache_it=False)
+
+    # 2. pre-allocation ----------------------------------------------------------------------------
+    def _poll_prealloc(self) -> None:
+        while self.prealloc:
+            req = self.prealloc[0]
+            if req.receiver.poll() == KVPoll.Failed:
+                self.prealloc.pop(0)
+                self._fail(req, req.receiver.failure_reason or "prefill peer failed")
+                continue
+            if not self._try_allocate(req):
+                return  # FIFO: later requests wait behind the head
+            self.prealloc.pop(0)
+            self.transferring.append(req)
+
+    def _try_allocate(self, req) -> bool:
+        eng = self.engine
+        busy = len(eng.sched.running) + len(self.transferring)
+        if busy >= eng.cfg.max_running_requests or self.meta.num_free == 0:
+            return False
+        need = eng.kv.pages_for(req, len(req.prompt_ids)) + eng.sched._reserved_pages()
+        need += -(-min(req.params.max_new_tokens, eng.cfg.decode_reserve_tokens)
+                  // eng.cfg.page_size)
+        if need > eng.kv.available_pages:
+            return False
+        req.fill_ids = list(req.prompt_ids)
+        if not eng.kv.admit(req):
+            return False
+        if eng.kv.extend(req, len(req.prompt_ids)) is None:
+            eng.kv.release(req, cache_it=False)
+            return False
+        req.meta_slot = self.meta.alloc()
+        first = req.cached_len // eng.cfg.page_size
+        req.receiver.init(req.pages[first:], req.meta_slot, prefix_len=req.cached_len)
+        return True
+
+    # 3. transfer queue --------------------------------------------------------------------
+    def _poll_transfers(self) -> None:
+        for req in list(self.transferring):
+            state = req.receiver.poll()
+            if state == KVPoll.Success:
+                self.transferring.remove(req)
+                self._commit(req)
+            elif state == KVPoll.Failed:
+                self.transferring.remove(req)
+                self._fail(req, req.receiver.failure_reason or "KV transfer failed")
+
+    def _commit(self, req) -> None:
+        room, token, _ = unpack_row(req.receiver.metadata()[0])
+        self._free_meta(req)
+        if room != req.room:
+            self._fail(req, f"metadata row carries room {room}, expected {req.room}")
+            return
+        req.output_ids = [token]
+        req.launched_outputs = 1
+        req.state = ReqState.RUNNING
+        self.engine.sched.add_prefilled(req)
+        reason = self.engine.out.stop_reason(req)  # the first token may already end it
+        if reason:
+            self.engine.out.finish(req, reason)
+
+    def _fail(self, req, reason: str) -> None:
+        req.error = reason
+        self.engine.out.finish(req, "error", cache_it=False)
+
+    # any end -------------------------------------------------------------------------------------
+    def hold_on_finish(self, req) -> bool:
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+            req.receiver.abort(req.error or "aborted")
+            return False
+        if req in self.transferring:  # the prefill may still write into its pages
+            self.transferring.remove(req)
+            req.receiver.abort(req.error or "aborted")
+            self.draining.append(req)
+            return True
+        return False
+
+    def _free_meta(self, req) -> None:
+        if req.meta_slot is not None:
+            self.meta.free(req.meta_slot)
+            req.meta_slot = None
+
+    def stats(self) -> dict:
+        return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transferring),
+                "free_metadata_slots": self.meta.num_free,
+                "total_metadata_slots": self.meta.size, "transfer": self.mgr.metrics()}
+
+    def close(self) -> None:
+        self.mgr.close()

@@ -1,0 +1,60 @@
+"""Configuration of a PD node (prefill or decode): registry, identity and KV transfer.
+
+It rides inside `ServerConfig.pd`; the node's process kind is `ServerConfig.role`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from kv_transfer import KVTransferConfig
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    registry_url: str = "http://127.0.0.1:8998"
+    registry_token: str = ""
+    node_id: str = ""  # "" = <role>-<host>-<port>
+    registry_ttl_s: float = 10.0
+    disable_early_send: bool = False  # prefill: do not send cached prefix pages early
+    transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("PD node")
+        g.add_argument("--registry", dest="registry_url", required=True,
+                       help="bootstrap registry URL, e.g. http://127.0.0.1:8998")
+        g.add_argument("--registry-token", default="", help="bearer token for registry writes")
+        g.add_argument("--node-id", default="", help="stable node id (default role-host-port)")
+        g.add_argument("--registry-ttl-s", type=float, default=10.0,
+                       help="TTL of this node's registry record (renewed every TTL/3)")
+        g.add_argument("--disable-early-send", action="store_true",
+                       help="prefill: do not send cached prefix pages before the forward")
+        t = p.add_argument_group("KV transfer")
+        t.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "tcp"])
+        t.add_argument("--kv-host", default="127.0.0.1",
+                       help="address the KV control (and tcp data) sockets bind to")
+        t.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
+        t.add_argument("--mooncake-device", default="", help="RDMA device name for Mooncake")
+        t.add_argument("--kv-bootstrap-timeout-s", type=float, default=300.0)
+        t.add_argument("--kv-transfer-timeout-s", type=float, default=300.0)
+        t.add_argument("--kv-heartbeat-interval-s", type=float, default=5.0)
+        t.add_argument("--kv-heartbeat-misses", type=int, default=2)
+        t.add_argument("--kv-checksum", action="store_true",
+                       help="verify a CRC32 of every transferred page")
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> PDConfig:
+        if args.registry_ttl_s <= 0:
+            raise ValueError("--registry-ttl-s must be positive")
+        transfer = KVTransferConfig(
+            backend=args.transfer_backend, host=args.kv_host,
+            mooncake_protocol=args.mooncake_protocol, device_name=args.mooncake_device,
+            bootstrap_timeout_s=args.kv_bootstrap_timeout_s,
+            transfer_timeout_s=args.kv_transfer_timeout_s,
+            heartbeat_interval_s=args.kv_heartbeat_interval_s,
+            heartbeat_misses=args.kv_heartbeat_misses, checksum=args.kv_checksum)
+        return cls(registry_url=args.registry_url, registry_token=args.registry_token,
+                   node_id=args.node_id, registry_ttl_s=args.registry_ttl_s,
+                   disable_early_send=args.disable_early_send, transfer=transfer)

@@ -1,0 +1,40 @@
+"""`pdserve prefill` / `pdserve decode`: one PD node (the node server with a role)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = {"prefill": "run a prefill node (registers in the registry, sends KV to decode nodes)",
+        "decode": "run a decode node (receives KV from prefill nodes and generates)"}
+
+
+def add_node_parser(sub, role: str) -> None:
+    from pdserve.disagg.config import PDConfig
+    from pdserve.server.config import ServerConfig
+
+    p = sub.add_parser(role, help=HELP[role],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ServerConfig.add_cli_args(p)
+    PDConfig.add_cli_args(p)
+    p.set_defaults(func=lambda args: run(args, role), port=30001 if role == "prefill" else 30002)
+
+
+def run(args: argparse.Namespace, role: str) -> int:
+    from pdserve.server.config import ServerConfig
+    from pdserve.server.launcher import serve
+
+    try:
+        cfg = ServerConfig.from_cli(args, role)
+        if cfg.pd.transfer.backend == "mooncake":
+            from kv_transfer import available_backends, mooncake_import_error
+
+            if "mooncake" not in available_backends():
+                raise RuntimeError("the mooncake transfer backend is unavailable "
+                                   f"({mooncake_import_error()}); install "
+                                   "mooncake-transfer-engine-non-cuda and libibverbs1, "
+                                   "or use --transfer-backend tcp")
+        return serve(cfg)
+    except (ValueError, RuntimeError) as exc:
+        print(f"pdserve {role}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,55 @@
+"""The seam where a node role plugs into the shared engine (composition, DESIGN §5).
+
+The engine calls these hooks at fixed points of a request's life; the colocated role
+(this base class) does nothing special. `prefill_node.PrefillRole` and
+`decode_node.DecodeRole` override them to add their queues and KV transfers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.engine.batch import Batch
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.request import Req
+
+
+class Role:
+    name = "colocated"
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def add_request(self, req: Req, extra: dict) -> None:
+        """A validated new request: colocated requests go straight to the waiting queue."""
+        if extra:
+            raise ValueError(f"unexpected fields for a colocated node: {sorted(extra)}")
+        self.engine.sched.add(req)
+
+    def poll(self) -> None:
+        """Once per loop iteration, before scheduling: advance role-owned queues."""
+
+    def has_work(self) -> bool:
+        """Requests held in role-owned queues (not visible to the scheduler)."""
+        return False
+
+    def on_admitted(self, req: Req) -> None:
+        """`req` got its request slot and cached prefix (scheduler thread)."""
+
+    def on_extend_scheduled(self, batch: Batch) -> None:
+        """An extend batch was built and is about to launch."""
+
+    def on_extend_processed(self, batch: Batch) -> None:
+        """The result of an extend batch was processed: its KV is valid now."""
+
+    def hold_on_finish(self, req: Req) -> bool:
+        """`req` just finished (done, aborted or failed), wherever it was, role-owned queues
+        included. True: the role keeps its KV and calls `engine.out.complete` later."""
+        return False
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Stop role-owned threads (the transfer manager)."""

@@ -1,0 +1,91 @@
+"""`RouterConfig`: every knob of `pdserve router`, one `--flag` each, frozen, built once.
+
+Each field carries its help text in `metadata`, so the flag list and the dataclass cannot
+drift apart: `add_cli_args` walks the fields, `from_cli` reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from urllib.parse import urlsplit
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    registry: str = _opt("http://127.0.0.1:8998", "URL of the bootstrap registry")
+    registry_token: str = _opt("", "bearer token for the registry (when it guards reads)")
+    host: str = _opt("127.0.0.1", "address to bind")
+    port: int = _opt(8000, "HTTP port")
+    model: str = _opt("", "model served (built-in name or local HF folder); empty: the model "
+                          "the first registered node serves. Nodes serving another are ignored")
+    served_model_name: str = _opt("", "model name clients use (default: the model)")
+    model_cache_dir: str = _opt("", "where built-in models live (default: user cache)")
+    registry_poll_s: float = _opt(1.0, "seconds between reads of the registry's node list")
+    max_running_requests: int = _opt(512, "requests dispatched to nodes at once")
+    max_queued_requests: int = _opt(1024, "requests waiting for a dispatch slot; beyond: 429")
+    queue_timeout_s: float = _opt(30.0, "longest wait for a dispatch slot; beyond: 408")
+    request_timeout_s: float = _opt(600.0, "time limit of one whole request; beyond: 408")
+    connect_timeout_s: float = _opt(2.0, "TCP connect limit towards a node")
+    dispatch_attempts: int = _opt(3, "node pairs tried when a node cannot be reached or "
+                                     "refuses before any output (429/503)")
+    breaker_failures: int = _opt(3, "consecutive failures that open a node's circuit breaker "
+                                    "(a refused connection opens it at once)")
+    breaker_cooldown_s: float = _opt(2.0, "first pause of an open breaker before one trial "
+                                          "request; doubles on each failed trial")
+    breaker_max_cooldown_s: float = _opt(30.0, "longest pause of an open breaker")
+    prefix_pages: int = _opt(2, "leading prompt pages hashed for prefill affinity (0: off)")
+    balance_abs_threshold: int = _opt(4, "prefix affinity yields to the least-loaded prefill "
+                                         "node when the preferred one has this many more "
+                                         "requests ...")
+    balance_rel_threshold: float = _opt(1.5, "... and more than this factor of its load")
+    max_body_bytes: int = _opt(4 << 20, "largest request body; beyond: 413")
+    log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        url = urlsplit(self.registry)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"--registry {self.registry!r}: expected http://HOST:PORT")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        positive = {"--registry-poll-s": self.registry_poll_s,
+                    "--max-running-requests": self.max_running_requests,
+                    "--queue-timeout-s": self.queue_timeout_s,
+                    "--request-timeout-s": self.request_timeout_s,
+                    "--connect-timeout-s": self.connect_timeout_s,
+                    "--dispatch-attempts": self.dispatch_attempts,
+                    "--breaker-failures": self.breaker_failures,
+                    "--breaker-cooldown-s": self.breaker_cooldown_s,
+                    "--max-body-bytes": self.max_body_bytes}
+        for flag, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+        if self.max_queued_requests < 0 or self.prefix_pages < 0:
+            raise ValueError("--max-queued-requests and --prefix-pages must be >= 0")
+        if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
+            raise ValueError("--breaker-max-cooldown-s must be >= --breaker-cooldown-s")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("need --balance-abs-threshold >= 0 and --balance-rel-threshold >= 1")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("router")
+        for f in fields(RouterConfig):
+            kind = f.type if isinstance(f.type, type) else {"int": int, "float": float}.get(
+                f.type, str)
+            extra = {k: v for k, v in f.metadata.items() if k != "help"}
+            assert f.default is not MISSING
+            g.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                           help=f.metadata["help"], **extra)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> RouterConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

@@ -1,0 +1,115 @@
+"""Dispatch one request: pick a (prefill, decode) pair, draw a room, start both legs, and
+wait for the decode leg's first event. A pair whose node could not be reached or refused
+before doing anything is abandoned (both legs cancelled) and the next pair tried, up to
+`--dispatch-attempts`, leaving out the nodes that failed. Any other failure is final:
+the request may have run, and running it twice is worse than a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+from dataclasses import dataclass
+
+import httpx
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.legs import LegError, LegHook, Legs
+from pdserve.router.nodes import NodeState, NodeTable
+from pdserve.router.picker import order_decode, order_prefill
+from pdserve.router.watcher import RegistryWatcher
+from pdserve.server.protocol import ApiError
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass
+class Opened:
+    legs: Legs
+    first: dict | str  # the decode leg's first event (or DONE)
+
+    @property
+    def prefill(self) -> NodeState:
+        return self.legs.prefill
+
+    @property
+    def decode(self) -> NodeState:
+        return self.legs.decode
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, table: NodeTable, watcher: RegistryWatcher,
+                 http: httpx.AsyncClient, on_leg: LegHook, on_retry) -> None:
+        self.cfg, self.table, self.watcher, self.http = cfg, table, watcher, http
+        self.on_leg, self.on_retry = on_leg, on_retry
+        self.rng = random.Random()
+
+    async def open(self, ids: list[int], sampling: dict, rid: str) -> Opened:
+        excluded: set[str] = set()
+        last: LegError | None = None
+        for attempt in range(self.cfg.dispatch_attempts):
+            prefill, decode = await self.pick(ids, excluded, last)
+            body = {"input_ids": ids, "sampling_params": sampling,
+                    "rid": f"{rid}-{attempt}", "bootstrap_room": secrets.randbits(63)}
+            legs = Legs(self.http, prefill, decode, body, self.on_leg)
+            legs.start()
+            try:
+                return Opened(legs, await legs.next())
+            except LegError as err:
+                legs.cancel()
+                if not err.retryable:
+                    raise err.api_error() from None
+                log.warning("attempt %d of %s: %s; trying another pair", attempt + 1, rid,
+                            err.message)
+                excluded.add(err.node.node_id)
+                last = err
+                self.on_retry()
+            except BaseException:  # cancelled (client gone, timeout): stop both legs
+                legs.cancel()
+                raise
+        assert last is not None
+        raise ApiError(last.status, f"no node pair could take the request after "
+                                    f"{self.cfg.dispatch_attempts} attempts; last: {last.message}")
+
+    async def pick(self, ids: list[int], excluded: set[str],
+                   last: LegError | None) -> tuple[NodeState, NodeState]:
+        for early_read in (False, True):
+            if early_read:  # nothing usable: maybe a node registered since the last read
+                await self.watcher.refresh_soon()
+            pair = self._choose(ids, excluded)
+            if pair is not None:
+                pair[0].breaker.acquire()
+                pair[1].breaker.acquire()
+                return pair
+        raise ApiError(503, self._why_none(excluded, last), "no_node")
+
+    def _choose(self, ids: list[int], excluded: set[str]) -> tuple[NodeState, NodeState] | None:
+        c = self.cfg
+        prefills = [n for n in self.table.usable("prefill") if n.node_id not in excluded]
+        decodes = [n for n in self.table.usable("decode") if n.node_id not in excluded]
+        for p in order_prefill(prefills, ids, c.prefix_pages, c.balance_abs_threshold,
+                               c.balance_rel_threshold, self.rng):
+            ranked = order_decode(decodes, p, self.rng)
+            if ranked:
+                return p, ranked[0]
+        return None
+
+    def _why_none(self, excluded: set[str], last: LegError | None) -> str:
+        parts = []
+        for role in ("prefill", "decode"):
+            nodes = self.table.of_role(role)
+            if not nodes:
+                parts.append(f"no {role} node is registered")
+            elif not [n for n in nodes if n.breaker.available() and n.node_id not in excluded]:
+                errors = "; ".join(f"{n.node_id}: {n.last_error or n.breaker.state}"
+                                   for n in nodes[:4])
+                parts.append(f"every {role} node is failing ({errors})")
+        if not parts:
+            parts.append("no decode node matches a prefill node's page size, KV layout and "
+                         "transfer backend")
+        if last is not None:
+            parts.append(f"last error: {last.message}")
+        if self.watcher.last_error:
+            parts.append(f"registry unreachable: {self.watcher.last_error}")
+        return "no node can serve the request: " + "; ".join(parts)

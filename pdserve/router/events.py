@@ -1,0 +1,68 @@
+"""The decode leg's stream, read back: SSE lines -> events.
+
+A node's /generate stream (pdserve/server/api.py) sends `data: {"text", "output_ids",
+"meta_info"}` with *cumulative* text and ids, an in-band `data: {"error": {...}}` when
+the request fails after its 200 header, and `data: [DONE]` at the end. `Event` has the
+attributes pdserve.server.openai_format's chunk writers read, so the router formats
+OpenAI streams with the node's own code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+DONE = "[DONE]"
+
+
+class StreamFormatError(ValueError):
+    """The node sent something that is not its SSE protocol."""
+
+
+@dataclass
+class Event:
+    rid: str
+    delta: str  # text new since the previous event
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None
+    meta: dict = field(default_factory=dict)  # the node's meta_info, verbatim
+
+    def generate_obj(self) -> dict:
+        """The /generate body: the node's, with the router's request id."""
+        meta = {**self.meta, "id": self.rid, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": len(self.output_ids),
+                "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason}
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
+
+
+def parse_line(line: str) -> dict | str | None:
+    """One SSE line -> a JSON object, DONE, or None (blank lines, comments, other fields)."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == DONE:
+        return DONE
+    try:
+        obj = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise StreamFormatError(f"bad SSE data {data[:80]!r}") from exc
+    if not isinstance(obj, dict):
+        raise StreamFormatError(f"bad SSE data {data[:80]!r}")
+    return obj
+
+
+def to_event(rid: str, obj: dict, previous: Event | None) -> Event:
+    try:
+        meta = obj["meta_info"]
+        text, ids = obj["text"], obj["output_ids"]
+        prompt_tokens = int(meta["prompt_tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StreamFormatError(f"event without text/output_ids/meta_info: {exc!r}") from exc
+    before = previous.text if previous else ""
+    # Text only grows (the node holds back incomplete UTF-8 and stop-string candidates).
+    delta = text[len(before):] if text.startswith(before) else text
+    return Event(rid, delta, text, list(ids), prompt_tokens, int(meta.get("cached_tokens") or 0),
+                 meta.get("finish_reason"), meta)

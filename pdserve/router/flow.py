@@ -1,0 +1,117 @@
+"""One client request through the router: a queue slot, a dispatched pair, the decode
+leg's events as `Event`s, router-side latency metrics, and a `close()` that is safe to
+call from anywhere (twice, or under cancellation) and always frees the slot and stops
+both legs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from pdserve.router.admission import Admission
+from pdserve.router.dispatch import Dispatcher, Opened
+from pdserve.router.events import DONE, Event, StreamFormatError, to_event
+from pdserve.router.legs import LegError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.server.protocol import ApiError
+
+
+class Flow:
+    def __init__(self, rid: str, ids: list[int], sampling: dict, admission: Admission,
+                 dispatcher: Dispatcher, metrics: RouterMetrics, timeout_s: float) -> None:
+        self.rid, self.ids, self.sampling = rid, ids, sampling
+        self.admission, self.dispatcher, self.metrics = admission, dispatcher, metrics
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + timeout_s
+        self.timeout_s = timeout_s
+        self.opened: Opened | None = None
+        self.first_token_at: float | None = None
+        self.last: Event | None = None
+        self._slot = False
+        self._closed = False
+        self.outcome = "cancelled"
+
+    async def start(self) -> None:
+        """Queue, dispatch, first event. Raises ApiError (and closes itself) on failure."""
+        try:
+            await self._bounded(self.admission.acquire())
+            self._slot = True
+            self.opened = await self._bounded(self.dispatcher.open(self.ids, self.sampling,
+                                                                   self.rid))
+        except ApiError as exc:
+            self.outcome = str(exc.code or exc.status)
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def headers(self) -> dict[str, str]:
+        o = self.opened
+        h = {"x-request-id": self.rid}
+        if o is not None:
+            h |= {"x-pdserve-prefill-node": o.prefill.node_id,
+                  "x-pdserve-decode-node": o.decode.node_id}
+        return h
+
+    async def events(self) -> AsyncIterator[Event | ApiError]:
+        """Every decode event; a failure after the start comes as a final ApiError item
+        (the caller has sent its 200 header by then and reports it in-band)."""
+        assert self.opened is not None
+        item = self.opened.first
+        try:
+            while item != DONE:
+                event = to_event(self.rid, item, self.last)
+                self._observe(event)
+                self.last = event
+                yield event
+                item = await self._bounded(self.opened.legs.next())
+        except (LegError, StreamFormatError) as exc:
+            err = exc.api_error() if isinstance(exc, LegError) else ApiError(503, str(exc))
+            self.outcome = str(err.code or err.status)
+            yield err
+            return
+        except ApiError as exc:  # the request timeout
+            self.outcome = str(exc.code or exc.status)
+            yield exc
+            return
+        if self.last is None:
+            self.outcome = "empty"
+            yield ApiError(503, f"decode node {self.opened.decode.node_id} ended the "
+                                "stream without output")
+            return
+        self.outcome = self.last.finish_reason or "unknown"
+        self._observe_end()
+
+    async def _bounded(self, awaitable):
+        remaining = self.deadline - time.perf_counter()
+        try:
+            return await asyncio.wait_for(awaitable, max(remaining, 0.001))
+        except TimeoutError:
+            raise ApiError(408, f"request timed out after {self.timeout_s:g}s",
+                           "timeout") from None
+
+    def _observe(self, event: Event) -> None:
+        if self.first_token_at is None and event.output_ids:
+            self.first_token_at = time.perf_counter()
+            self.metrics.ttft.observe(self.first_token_at - self.t0)
+
+    def _observe_end(self) -> None:
+        end = time.perf_counter()
+        self.metrics.e2e.observe(end - self.t0)
+        n = len(self.last.output_ids) if self.last else 0
+        if self.first_token_at is not None and n > 1:
+            self.metrics.tpot.observe((end - self.first_token_at) / (n - 1))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.opened is not None:
+            self.opened.legs.cancel()
+        if self._slot:
+            self.admission.release()
+        self.metrics.requests.labels(self.outcome).inc()

@@ -1,0 +1,166 @@
+"""The two legs of one dispatch attempt (DESIGN §2), each an asyncio task posting to its
+node's /generate and feeding one queue:
+
+- prefill leg: `stream: false`; the node answers once its prefill (and KV send) is done.
+- decode leg: `stream: true`; every SSE event goes into the queue, then DONE.
+
+Whichever leg fails puts a `LegError` into the same queue, so the reader learns of the
+first failure of either leg at once and cancels the other (`cancel()`). Cancelling a leg
+task closes its HTTP connection, and a node aborts a request whose client went away, so
+that node frees the request's KV pages and slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+
+from pdserve.router.events import DONE, StreamFormatError, parse_line
+from pdserve.router.nodes import NodeState
+from pdserve.server.protocol import ApiError
+
+# Node statuses that are the client's own fault: passed through as they are.
+CLIENT_STATUSES = {400, 408, 413, 422}
+# Statuses a node answers before doing any work (busy, shutting down): try another node.
+REFUSED_STATUSES = {429, 503}
+
+LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
+
+
+class LegError(Exception):
+    """One leg failed. `retryable`: the node never started the request (unreachable, or
+    it refused), so another pair may be tried. `node_fault`: counts against the node's
+    circuit breaker; `hard`: nothing listens there, open the breaker at once."""
+
+    def __init__(self, node: NodeState, leg: str, status: int, message: str,
+                 code: str | int | None = None, *, retryable: bool = False,
+                 node_fault: bool = False, hard: bool = False) -> None:
+        super().__init__(message)
+        self.node, self.leg, self.status, self.message, self.code = (
+            node, leg, status, message, code)
+        self.retryable, self.node_fault, self.hard = retryable, node_fault, hard
+
+    @property
+    def outcome(self) -> str:
+        return "unreachable" if self.hard else "refused" if self.retryable else "error"
+
+    def api_error(self) -> ApiError:
+        return ApiError(self.status, self.message, str(self.code) if self.code else None)
+
+
+def _node_message(resp: httpx.Response) -> tuple[str, str | int | None]:
+    try:
+        err = resp.json()["error"]
+        return str(err.get("message")), err.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return resp.text[:200] or resp.reason_phrase, None
+
+
+def status_error(node: NodeState, leg: str, resp: httpx.Response) -> LegError:
+    message, code = _node_message(resp)
+    status = resp.status_code
+    if status in CLIENT_STATUSES:
+        return LegError(node, leg, status, message, code)
+    where = f"{leg} node {node.node_id}"
+    if status in REFUSED_STATUSES:
+        return LegError(node, leg, 503 if status == 503 else 429,
+                        f"{where} refused the request ({status}: {message})", code,
+                        retryable=True, node_fault=status == 503)
+    return LegError(node, leg, 503, f"{where} failed ({status}: {message})", code,
+                    node_fault=True)
+
+
+def transport_error(node: NodeState, leg: str, exc: httpx.HTTPError) -> LegError:
+    where = f"{leg} node {node.node_id} ({node.url})"
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return LegError(node, leg, 503, f"{where} is unreachable: {exc!r}", retryable=True,
+                        node_fault=True, hard=True)
+    return LegError(node, leg, 503, f"{where} failed mid-request: {exc!r}", node_fault=True)
+
+
+def inband_error(node: NodeState, err: object) -> LegError:
+    """`data: {"error": {...}}` from the decode node after its 200 header."""
+    msg = err.get("message", err) if isinstance(err, dict) else err
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    return LegError(node, "decode", status, f"decode node {node.node_id}: {msg}", code)
+
+
+class Legs:
+    def __init__(self, http: httpx.AsyncClient, prefill: NodeState, decode: NodeState,
+                 body: dict, on_leg: LegHook) -> None:
+        self.http, self.prefill, self.decode = http, prefill, decode
+        self.body, self.on_leg = body, on_leg
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        p_body = {**self.body, "stream": False}
+        d_body = {**self.body, "stream": True, "prefill_node_id": self.prefill.node_id}
+        self.tasks = [asyncio.create_task(self._leg(self.prefill, "prefill", p_body)),
+                      asyncio.create_task(self._leg(self.decode, "decode", d_body))]
+
+    async def next(self) -> dict | str:
+        """The decode leg's next event, or DONE. Raises the first leg's LegError."""
+        item = await self.queue.get()
+        if isinstance(item, LegError):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Stop both legs now. Synchronous: safe in a `finally` that runs under
+        cancellation, where awaiting is not possible."""
+        for task in self.tasks:
+            task.cancel()
+
+    async def _leg(self, node: NodeState, leg: str, body: dict) -> None:
+        node.inflight += 1
+        outcome = "cancelled"
+        try:
+            error = await (self._prefill(node, body) if leg == "prefill"
+                           else self._decode(node, body))
+            outcome = error.outcome if error else "ok"
+            if error is None:
+                node.breaker.success()
+            elif error.node_fault:
+                node.breaker.failure(error.hard)
+                node.last_error = error.message
+            if error is not None:
+                self.queue.put_nowait(error)
+        finally:
+            node.inflight -= 1
+            self.on_leg(node, outcome)
+
+    async def _prefill(self, node: NodeState, body: dict) -> LegError | None:
+        try:
+            resp = await self.http.post(f"{node.url}/generate", json=body)
+        except httpx.HTTPError as exc:
+            return transport_error(node, "prefill", exc)
+        return None if resp.status_code == 200 else status_error(node, "prefill", resp)
+
+    async def _decode(self, node: NodeState, body: dict) -> LegError | None:
+        try:
+            async with self.http.stream("POST", f"{node.url}/generate", json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    return status_error(node, "decode", resp)
+                async for line in resp.aiter_lines():
+                    obj = parse_line(line)
+                    if obj is None:
+                        continue
+                    if obj == DONE:
+                        self.queue.put_nowait(DONE)
+                        return None
+                    if "error" in obj:
+                        return inband_error(node, obj["error"])
+                    self.queue.put_nowait(obj)
+        except httpx.HTTPError as exc:
+            return transport_error(node, "decode", exc)
+        except StreamFormatError as exc:
+            return LegError(node, "decode", 503, f"decode node {node.node_id}: {exc}",
+                            node_fault=True)
+        return LegError(node, "decode", 503,
+                        f"decode node {node.node_id} ended its stream without [DONE]",
+                        node_fault=True)

@@ -1,0 +1,106 @@
+"""The router's view of the cluster: the registry's live records plus what the router
+itself knows about each node (requests it has in flight there, its circuit breaker).
+
+The table is replaced wholesale on every registry read, so a node that registers is used
+on the next read and one whose record is gone (deregistered or expired) is dropped. A
+node that restarted (same node_id, new instance_id) starts with a fresh breaker.
+Requests keep a reference to the `NodeState` they were sent to, so dropping a node from
+the table never disturbs a request in flight there.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from bootstrap.record import RegisteredNode
+from pdserve.router.breaker import CircuitBreaker
+from pdserve.router.config import RouterConfig
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(eq=False)
+class NodeState:
+    record: RegisteredNode
+    breaker: CircuitBreaker
+    inflight: int = 0  # this router's open legs on the node
+    last_error: str = ""
+    counts: dict[str, int] = field(default_factory=dict)  # outcome -> legs
+
+    @property
+    def node_id(self) -> str:
+        return self.record.node_id
+
+    @property
+    def role(self) -> str:
+        return self.record.role
+
+    @property
+    def url(self) -> str:
+        return self.record.http_url.rstrip("/")
+
+    def load(self) -> int:
+        """Requests on the node. The heartbeat's numbers lag by up to a beat; the router's
+        own in-flight count is exact for its traffic, so take whichever is larger."""
+        reported = self.record.load.running + self.record.load.waiting
+        return max(self.inflight, reported)
+
+    def pairs_with(self, other: NodeState) -> bool:
+        """Can KV move between the two? Same pages, same layout, same transfer backend."""
+        a, b = self.record, other.record
+        return (a.page_size == b.page_size and a.kv_layout == b.kv_layout
+                and a.transfer_backend == b.transfer_backend and a.model == b.model)
+
+    def view(self) -> dict:
+        r = self.record
+        return {"node_id": r.node_id, "role": r.role, "http_url": r.http_url,
+                "instance_id": r.instance_id, "model": r.model, "page_size": r.page_size,
+                "load": r.load.model_dump(), "inflight": self.inflight,
+                "breaker": self.breaker.state, "last_error": self.last_error,
+                "legs": dict(self.counts)}
+
+
+class NodeTable:
+    def __init__(self, cfg: RouterConfig, model: str = "") -> None:
+        self.cfg = cfg
+        self.model = model  # "" until adopted from the first record
+        self.nodes: dict[str, NodeState] = {}
+        self._ignored: set[str] = set()  # node ids already warned about
+
+    def new_breaker(self) -> CircuitBreaker:
+        c = self.cfg
+        return CircuitBreaker(c.breaker_failures, c.breaker_cooldown_s, c.breaker_max_cooldown_s)
+
+    def update(self, records: list[RegisteredNode]) -> None:
+        if not self.model and records:
+            self.model = records[0].model
+            log.info("serving model %r (from node %s)", self.model, records[0].node_id)
+        fresh: dict[str, NodeState] = {}
+        for rec in records:
+            if rec.model != self.model:
+                if rec.node_id not in self._ignored:
+                    self._ignored.add(rec.node_id)
+                    log.warning("ignoring node %s: it serves %r, this router %r",
+                                rec.node_id, rec.model, self.model)
+                continue
+            old = self.nodes.get(rec.node_id)
+            if old is not None and old.record.instance_id == rec.instance_id:
+                old.record = rec
+                fresh[rec.node_id] = old
+            else:
+                log.info("%s %s node %s at %s", "restarted" if old else "new", rec.role,
+                         rec.node_id, rec.http_url)
+                fresh[rec.node_id] = NodeState(rec, self.new_breaker())
+        for gone in self.nodes.keys() - fresh.keys():
+            log.info("node %s left the registry", gone)
+        self.nodes = fresh
+
+    def of_role(self, role: str) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.role == role]
+
+    def usable(self, role: str) -> list[NodeState]:
+        return [n for n in self.of_role(role) if n.breaker.available()]
+
+    def counts(self) -> dict[str, int]:
+        return {role: len(self.of_role(role)) for role in ("prefill", "decode")}

@@ -1,0 +1,161 @@
+"""The prefill role (DESIGN §2, §5). Life of a request on a prefill node:
+
+1. Arrival. The /generate leg carries `bootstrap_room`; a KVSender is made for the room
+   and the request waits in the bootstrap queue. It will compute exactly one token.
+2. Bootstrap. When the decode side has pre-allocated and said where to write (sender
+   reaches WaitingForInput), the request takes a metadata slot, `init`s the sender and
+   enters the waiting queue.
+3. Admission. Prefix pages already valid in the radix cache go out at once (early send),
+   except pages a host-tier load is still writing (`loading_pages`).
+4. Chunks. Scheduling a chunk records `tmp_end_idx` and counts an in-flight middle chunk;
+   processing its result (the forward is then known complete) sends the whole pages it
+   finished. Results of chunks whose request was aborted meanwhile are dropped.
+5. Last chunk. The first token is sampled; the rest of the pages (partial last page too)
+   go out with the metadata row (room, first token). The request moves to the inflight
+   queue, still holding its KV.
+6. Inflight. The sender is polled until Success (done; KV goes to the prefix cache) or
+   Failed (the error is reported); then the KV and metadata slot are freed.
+Abort or failure at any stage aborts the sender (so the decode leg fails fast) and frees
+everything once no launched batch and no transfer can read it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kv_transfer import KVPoll, KVSender, KVTransferConfig
+from pdserve.disagg.metadata import MetadataPool, pack_row
+from pdserve.disagg.transfer_setup import make_kv_manager
+from pdserve.engine.role import Role
+from prefill_node.bookkeeping import SendProgress
+
+log = logging.getLogger("pdserve.prefill")
+
+
+class PrefillRole(Role):
+    name = "prefill"
+
+    def __init__(self, transfer: KVTransferConfig, model_name: str, early_send: bool = True):
+        self.transfer_cfg = transfer
+        self.model_name = model_name
+        self.early_send = early_send
+        self.bootstrap: list = []  # step 2
+        self.inflight: list = []  # step 6
+        self.live: list = []  # past bootstrap, not yet in inflight: watched for sender failure
+        self.early_sent_pages = 0
+
+    def attach(self, engine) -> None:
+        super().attach(engine)
+        self.page_size = engine.cfg.page_size
+        self.meta = MetadataPool(4 * engine.cfg.max_running_requests)
+        self.mgr = make_kv_manager(engine, "prefill", self.meta, self.transfer_cfg,
+                                   self.model_name)
+
+    # 1. arrival --------------------------------------------------------------------------
+    def add_request(self, req, extra: dict) -> None:
+        room = extra.pop("bootstrap_room", None)
+        extra.pop("prefill_node_id", None)
+        if extra:
+            raise ValueError(f"unexpected fields for a prefill node: {sorted(extra)}")
+        if not isinstance(room, int) or not 0 <= room < 1 << 63:
+            raise ValueError("a prefill node needs `bootstrap_room` (an integer in [0, 2^63))")
+        req.params.max_new_tokens = 1  # the decode node generates the rest
+        req.room, req.meta_slot = room, None
+        req.progress = SendProgress(len(req.prompt_ids), self.page_size)
+        req.sender = KVSender(self.mgr, room)
+        self.bootstrap.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.bootstrap or self.inflight)
+
+    # 2. bootstrap and 6. inflight ----------------------------------------------------------
+    def poll(self) -> None:
+        for req in list(self.bootstrap):
+            state = req.sender.poll()
+            if state == KVPoll.Failed:
+                self._fail(req, req.sender.failure_reason or "decode peer failed")
+            elif state >= KVPoll.WaitingForInput:
+                slot = self.meta.alloc()
+                if slot is None:
+                    break  # back-pressure: no metadata row free
+                req.meta_slot = slot
+                req.sender.init(req.progress.total_pages, slot)
+                self.bootstrap.remove(req)
+                self.live.append(req)
+                self.engine.sched.add(req)
+        for req in list(self.live):
+            if req.sender.poll() == KVPoll.Failed and not req.finished:
+                self._fail(req, req.sender.failure_reason or "KV transfer failed")
+        for req in list(self.inflight):
+            state = req.sender.poll()
+            if state.terminal:
+                if state == KVPoll.Failed and not req.error:
+                    req.error = req.sender.failure_reason or "KV transfer failed"
+                self.inflight.remove(req)
+                self._free_meta(req)
+                self.engine.out.complete(req)
+
+    def _fail(self, req, reason: str) -> None:
+        req.error = reason
+        self.engine.out.finish(req, "error")
+
+    # 3. admission: early send of cached prefix pages ---------------------------------------
+    def loading_pages(self, req) -> frozenset[int]:
+        """Pages a host-tier (HiCache) load is still writing; none until that tier exists."""
+        return frozenset()
+
+    def on_admitted(self, req) -> None:
+        if not self.early_send or not req.cached_len:
+            return
+        pages = req.progress.early_send(req.cached_len, self.loading_pages(req))
+        self._send(req, pages)
+        self.early_sent_pages += len(pages)
+
+    # 4. chunks ------------------------------------------------------------------------------
+    def on_extend_scheduled(self, batch) -> None:
+        for row in batch.rows:
+            row.req.progress.chunk_scheduled(row.start + row.q_len, last=bool(row.future_id))
+
+    def on_extend_processed(self, batch) -> None:
+        for row in batch.rows:
+            if row.future_id:  # last chunks are sent in step 5
+                continue
+            req = row.req
+            pages = req.progress.chunk_done(row.start + row.q_len, last=False,
+                                            aborted=req.finished)
+            self._send(req, pages)
+
+    # 5. last chunk (and every other end) ------------------------------------------------------
+    def hold_on_finish(self, req) -> bool:
+        if req in self.bootstrap:  # no KV yet
+            self.bootstrap.remove(req)
+            req.sender.abort(req.error or "aborted")
+            return False
+        if req in self.live:
+            self.live.remove(req)
+        if req.finish_reason in ("abort", "error"):
+            req.sender.abort(req.error or req.finish_reason)
+        else:
+            pages = req.progress.chunk_done(len(req.prompt_ids), last=True, aborted=False)
+            row = pack_row(req.room, req.output_ids[0])
+            req.sender.send([req.pages[p] for p in pages], last=True, metadata=row)
+        self.inflight.append(req)
+        return True
+
+    def _send(self, req, pages: range) -> None:
+        if len(pages):
+            req.sender.send([req.pages[p] for p in pages])
+
+    def _free_meta(self, req) -> None:
+        if req.meta_slot is not None:
+            self.meta.free(req.meta_slot)
+            req.meta_slot = None
+
+    def stats(self) -> dict:
+        return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),
+                "free_metadata_slots": self.meta.num_free,
+                "total_metadata_slots": self.meta.size, "early_sent_pages": self.early_sent_pages,
+                "transfer": self.mgr.metrics()}
+
+    def close(self) -> None:
+        self.mgr.close()
