@@ -119,7 +119,9 @@ class Engine:
 
     # -- running ------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.has_runnable() or self.role.has_work()
+        # Finished-but-unreported requests (e.g. an abort while idle) count as work, so the
+        # next step() reports them.
+        return self.has_runnable() or self.role.has_work() or bool(self.out.finished)
 
     def has_runnable(self) -> bool:
         """Work the scheduler can do now (as opposed to waiting on a transfer)."""

@@ -58,6 +58,8 @@ class Scheduler:
             return self._launchable("extend", rows)
         decoding = [r for r in self.running if r.prefill_done and r.wants_more_launches()]
         if not decoding:
+            if not in_flight:
+                self._unwedge_prefill()
             return None
         if self._pages_for_decode(decoding) > self.kv.available_pages:
             if in_flight:
@@ -116,12 +118,24 @@ class Scheduler:
             budget -= row.q_len
         return rows
 
+    def _prefill_pages_owed(self) -> int:
+        """Pages that admitted, partly prefilled requests still need for their chunks."""
+        return sum(self.kv.pages_for(r, len(r.fill_ids)) for r in self.running
+                   if not r.prefill_done)
+
+    def _admission_pages(self, req: Req) -> int:
+        """A new request is charged its whole prompt and its own decode reservation, on top
+        of what running requests are owed: admitting it can then never starve them."""
+        own = -(-min(req.params.max_new_tokens - len(req.output_ids),
+                     self.cfg.decode_reserve_tokens) // self.kv.page_size)
+        return (self.kv.pages_for(req, len(req.fill_ids)) + own + self._reserved_pages()
+                + self._prefill_pages_owed())
+
     def _extend_row(self, req: Req, limit: int) -> Row | None:
         q_len = min(req.remaining_prefill, limit)
         start = req.kv_len
-        need = self.kv.pages_for(req, start + q_len)
-        reserve = self._reserved_pages() if req.state is ReqState.WAITING else 0
-        if need + reserve > self.kv.available_pages and self.running:
+        new = req.state is ReqState.WAITING
+        if new and self.running and self._admission_pages(req) > self.kv.available_pages:
             return None
         if self.kv.extend(req, start + q_len) is None:
             return None
@@ -153,17 +167,28 @@ class Scheduler:
         req.launched_outputs += 1
         return Row(req, start, 1, future, input_id)
 
+    def _unwedge_prefill(self) -> None:
+        """Nothing can run and nothing is in flight, yet partly prefilled requests hold KV
+        (decode steps beyond their reservation ate the pages their chunks were owed): send
+        the newest one back to waiting so the others can finish."""
+        partial = [r for r in self.running if not r.prefill_done]
+        if partial and (len(partial) > 1 or len(self.running) > 1):
+            self._retract(partial[-1])
+
+    def _retract(self, victim: Req) -> None:
+        self.running.remove(victim)
+        self.kv.release(victim)  # its computed pages stay cached: cheap to resume
+        victim.state = ReqState.WAITING
+        victim.future_id = 0
+        victim.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(victim)
+
     def _retract_until_fits(self, decoding: list[Req]) -> list[Req]:
         """Move the newest requests back to waiting until the rest can take one more token.
         Only called with no batch in flight, so every output is known and no page is read."""
         while decoding and self._pages_for_decode(decoding) > self.kv.available_pages:
-            victim = decoding.pop()
-            self.running.remove(victim)
-            self.kv.release(victim)  # its computed pages stay cached: cheap to resume
-            victim.state = ReqState.WAITING
-            victim.retractions += 1
-            self.num_retractions += 1
-            self.waiting.appendleft(victim)
+            self._retract(decoding.pop())
         return decoding
 
     def has_work(self) -> bool:

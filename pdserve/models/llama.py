@@ -61,13 +61,14 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        attn_bias = bool(getattr(cfg, "attention_bias", False))
+        bias = attn_bias or cfg.model_type == "qwen2"  # Qwen2: q/k/v always biased
         h = cfg.hidden_size
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, qd, bias=bias)
         self.k_proj = nn.Linear(h, kd, bias=bias)
         self.v_proj = nn.Linear(h, kd, bias=bias)
-        self.o_proj = nn.Linear(qd, h, bias=False)
+        self.o_proj = nn.Linear(qd, h, bias=attn_bias and cfg.model_type != "qwen2")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -115,9 +116,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -99,8 +99,22 @@ class Legs:
     def start(self) -> None:
         p_body = {**self.body, "stream": False}
         d_body = {**self.body, "stream": True, "prefill_node_id": self.prefill.node_id}
-        self.tasks = [asyncio.create_task(self._leg(self.prefill, "prefill", p_body)),
-                      asyncio.create_task(self._leg(self.decode, "decode", d_body))]
+        self.tasks = [self._spawn(self.prefill, "prefill", p_body),
+                      self._spawn(self.decode, "decode", d_body)]
+
+    def _spawn(self, node: NodeState, leg: str, body: dict) -> asyncio.Task:
+        # Counted now, not when the task first runs: requests picked in the same instant
+        # must see each other, or a burst lands on one node.
+        node.inflight += 1
+        outcome = ["cancelled"]  # a task cancelled before it ran never sets it
+        task = asyncio.create_task(self._leg(node, leg, body, outcome))
+
+        def done(_: asyncio.Task) -> None:
+            node.inflight -= 1
+            self.on_leg(node, outcome[0])
+
+        task.add_done_callback(done)
+        return task
 
     async def next(self) -> dict | str:
         """The decode leg's next event, or DONE. Raises the first leg's LegError."""
@@ -115,23 +129,17 @@ class Legs:
         for task in self.tasks:
             task.cancel()
 
-    async def _leg(self, node: NodeState, leg: str, body: dict) -> None:
-        node.inflight += 1
-        outcome = "cancelled"
-        try:
-            error = await (self._prefill(node, body) if leg == "prefill"
-                           else self._decode(node, body))
-            outcome = error.outcome if error else "ok"
-            if error is None:
-                node.breaker.success()
-            elif error.node_fault:
-                node.breaker.failure(error.hard)
-                node.last_error = error.message
-            if error is not None:
-                self.queue.put_nowait(error)
-        finally:
-            node.inflight -= 1
-            self.on_leg(node, outcome)
+    async def _leg(self, node: NodeState, leg: str, body: dict, outcome: list[str]) -> None:
+        error = await (self._prefill(node, body) if leg == "prefill"
+                       else self._decode(node, body))
+        outcome[0] = error.outcome if error else "ok"
+        if error is None:
+            node.breaker.success()
+            return
+        if error.node_fault:
+            node.breaker.failure(error.hard)
+            node.last_error = error.message
+        self.queue.put_nowait(error)
 
     async def _prefill(self, node: NodeState, body: dict) -> LegError | None:
         try:

@@ -40,11 +40,15 @@ class NodeState:
     def url(self) -> str:
         return self.record.http_url.rstrip("/")
 
-    def load(self) -> int:
-        """Requests on the node. The heartbeat's numbers lag by up to a beat; the router's
-        own in-flight count is exact for its traffic, so take whichever is larger."""
-        reported = self.record.load.running + self.record.load.waiting
-        return max(self.inflight, reported)
+    def load(self) -> tuple[int, int]:
+        """Sort key of how busy the node is: first this router's open legs there (exact,
+        and current to the request), then what the node last reported (running + waiting:
+        it also counts other routers' traffic, but lags by up to a heartbeat, and a stale
+        peak must not starve a node that has long drained)."""
+        return self.inflight, self.reported()
+
+    def reported(self) -> int:
+        return self.record.load.running + self.record.load.waiting
 
     def pairs_with(self, other: NodeState) -> bool:
         """Can KV move between the two? Same pages, same layout, same transfer backend."""

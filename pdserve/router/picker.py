@@ -5,8 +5,9 @@ prompt are hashed, and rendezvous (highest-random-weight) hashing maps that key 
 of the live prefill nodes. Prompts that share those pages (one system prompt, one chat
 history) so land on the node whose radix cache already holds them, and when a node joins
 or leaves only the keys of that node move. Affinity yields to load when the preferred node
-is clearly busier than the least-loaded one (both an absolute and a relative gap, as
-SGLang's cache-aware router does), so one hot prefix cannot pile up on one node.
+is clearly busier than the least-loaded one (both an absolute and a relative gap in the
+router's open requests, as SGLang's cache-aware router does), so one hot prefix cannot
+pile up on one node.
 
 Decode: load-aware only (its cache is filled by the transfer, not by the prompt): the
 least-loaded decode node whose KV pages and layout match the chosen prefill node; ties
@@ -48,7 +49,7 @@ def order_prefill(cands: list[NodeState], ids: list[int], prefix_pages: int,
     if key is None:
         return by_load
     preferred = max(cands, key=lambda n: _weight(key, n.node_id))
-    least, mine = by_load[0].load(), preferred.load()
+    least, mine = by_load[0].inflight, preferred.inflight
     if mine - least > abs_threshold and mine > least * rel_threshold:
         return by_load
     return [preferred, *(n for n in by_load if n is not preferred)]
@@ -57,4 +58,4 @@ def order_prefill(cands: list[NodeState], ids: list[int], prefix_pages: int,
 def order_decode(cands: list[NodeState], prefill: NodeState,
                  rng: random.Random) -> list[NodeState]:
     matching = [n for n in cands if n.pairs_with(prefill)]
-    return sorted(matching, key=lambda n: (n.load(), n.record.load.kv_usage, rng.random()))
+    return sorted(matching, key=lambda n: (*n.load(), n.record.load.kv_usage, rng.random()))

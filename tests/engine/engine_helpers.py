@@ -122,13 +122,16 @@ def run_ids(llm: LLM, prompts, params) -> list[list[int]]:
 _rids = itertools.count()
 
 
-def run_bounded(llm: LLM, prompts, params: SamplingParams, max_steps: int = 3000):
+def run_bounded(llm: LLM, prompts, params: SamplingParams | list[SamplingParams],
+                max_steps: int = 3000):
     """Like `generate`, through the engine API, but fails instead of spinning forever when
     the scheduler stops making progress. Returns the finished requests in prompt order."""
     import pytest
 
     eng = llm.engine
-    reqs = [eng.add_request(f"bounded-{next(_rids)}", list(p), params) for p in prompts]
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [eng.add_request(f"bounded-{next(_rids)}", list(p), SamplingParams(**vars(sp)))
+            for p, sp in zip(prompts, plist, strict=True)]
     for _ in range(max_steps):
         if not eng.has_work():
             break

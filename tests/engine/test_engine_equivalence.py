@@ -71,8 +71,8 @@ def test_prefix_cache_hit_equals_cold(model):
     ps = llm.config.page_size
     for p, c, w in zip(prompts, cold, warm, strict=True):
         assert c.cached_tokens == 0
-        # The whole prompt's pages (and the first outputs') are cached; one token is
-        # always computed to get the next token's logits.
+        # Every whole page before the prompt's last token is reused: that token is always
+        # computed, its logits give the first output.
         assert w.cached_tokens == (len(p) - 1) // ps * ps, f"prompt of {len(p)} tokens"
         assert w.cached_tokens % ps == 0
     assert sum(w.cached_tokens for w in warm) > 0
@@ -163,7 +163,7 @@ def test_retraction_gives_same_tokens(model, tight_cfg):
     need = sum(len(p) + 48 for p in RETRACT_PROMPTS)
     assert need > 2 * tight.engine.max_total_tokens  # cannot all fit at once
     before = tight.engine.sched.num_retractions
-    outs = tight.generate(RETRACT_PROMPTS, _retract_params())
+    outs = run_bounded(tight, RETRACT_PROMPTS, _retract_params())
     assert tight.engine.sched.num_retractions > before
     assert all(o.finish_reason == "length" and len(o.output_ids) == 48 for o in outs)
     for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
@@ -174,9 +174,9 @@ def test_retraction_without_prefix_cache():
     ref = _roomy_reference("tiny-llama")
     tight = get_llm("tiny-llama", disable_prefix_cache=True, **TINY_POOL)
     before = tight.engine.sched.num_retractions
-    outs = run_ids(tight, RETRACT_PROMPTS, _retract_params())
+    outs = run_bounded(tight, RETRACT_PROMPTS, _retract_params())
     assert tight.engine.sched.num_retractions > before
-    assert outs == ref
+    assert [o.output_ids for o in outs] == ref
 
 
 # Long prompts prefilled in chunks on a pool that holds each request alone but not all of

@@ -23,7 +23,7 @@ _LONG = " ".join(
     f"Step {i}: the engineer checked the {part} of the machine and wrote down what she saw."
     for i, part in enumerate(["pump", "valve", "gearbox", "fan", "belt", "sensor", "boiler",
                               "motor", "filter", "switch", "relay", "spring", "bearing",
-                              "shaft", "clutch", "piston", "nozzle", "tank", "coil", "pipe"])
+                              "shaft", "clutch", "piston"])
 ) + " In the end, the report said"
 SMOLLM_PROMPTS = [
     "The capital of France is",

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import get_llm, greedy, random_prompt, run_ids
+from engine_helpers import get_llm, greedy, random_prompt, run_bounded, run_ids
 
 from pdserve.engine.staging import StagingRing
 
@@ -122,7 +122,7 @@ def test_retraction_disables_overlap_for_that_batch():
     stats, sched = llm.engine.loop.stats, llm.engine.sched
     before, retr_before = stats.overlap_disabled["retract"], sched.num_retractions
     prompts = [random_prompt(10 + 3 * i, seed=700 + i) for i in range(10)]
-    outs = run_ids(llm, prompts, greedy(40, ignore_eos=True))
+    outs = [r.output_ids for r in run_bounded(llm, prompts, greedy(40, ignore_eos=True))]
     assert sched.num_retractions > retr_before
     assert stats.overlap_disabled["retract"] > before
     assert outs == run_ids(get_llm("tiny-llama"), prompts, greedy(40, ignore_eos=True))

@@ -1,0 +1,167 @@
+"""FastAPI routes of the router: the node's HTTP API (DESIGN §9) in front of the cluster,
+plus `GET /nodes` (the router's view of every node). Request bodies, OpenAI chunk shapes
+and error shapes are the node's own (pdserve.server), so both speak one dialect.
+
+A request answers 200 only once the decode leg produced its first event: failures before
+that (bad input, no node, queue full, a leg failing) become the HTTP status; later ones
+are reported in-band and end the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.router.flow import Flow
+from pdserve.router.gateway import Gateway
+from pdserve.server.api import error_body, error_response, install_error_handlers, sse
+from pdserve.server.openai_format import chat_stream, completion_stream, final_response
+from pdserve.server.protocol import ApiError, ChatBody, CompletionBody, GenerateBody
+
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    pass
+
+
+class FlowResponse(StreamingResponse):
+    """A streaming response that closes its flow however the response ends, including a
+    client that left before the first byte (the body generator never runs then)."""
+
+    def __init__(self, flow: Flow, content) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=flow.headers)
+        self.flow = flow
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.flow.close()
+
+
+async def until_disconnected(request: Request, awaitable):
+    """Await while watching the client; if it leaves, cancel and raise ClientGone (the
+    cancellation stops both legs, and the nodes abort the request)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        task.cancel()
+
+
+async def collect(flow: Flow):
+    """The final event of a non-streaming request (raises its in-band error)."""
+    last = None
+    async for ev in flow.events():
+        if isinstance(ev, ApiError):
+            raise ev
+        last = ev
+    return last
+
+
+def build_app(gw: Gateway, lifespan=None) -> FastAPI:
+    app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone):
+        return error_response(499, "client disconnected")
+
+    @app.get("/health")
+    async def health():
+        ok, info = gw.health()
+        if ok:
+            return {"status": "ok", **info}
+        return JSONResponse({**error_body(ApiError(503, f"not ready: {info['reason']}")),
+                             "detail": info}, status_code=503)
+
+    @app.get("/nodes")
+    async def nodes():
+        w = gw.watcher
+        return {"registry": {"url": gw.cfg.registry, "connected": w.connected,
+                             "last_error": w.last_error},
+                "nodes": [n.view() for n in gw.table.nodes.values()]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        if not gw.model_name:
+            return {"object": "list", "data": []}
+        tok = gw._tokenizer
+        return {"object": "list", "data": [{
+            "id": gw.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": tok.context_length if tok else None}]}
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody, request: Request):
+        body.validate_input()
+        if body.bootstrap_room is not None or body.prefill_node_id is not None:
+            raise ApiError(400, "bootstrap_room and prefill_node_id are set by the router")
+        tok = await gw.tokenizer()
+        ids = tok.encode(body.text if body.text is not None else body.input_ids)
+        flow = gw.flow(body.rid or uuid.uuid4().hex, ids, body.sampling_params.model_dump())
+        await until_disconnected(request, flow.start())
+        if body.stream:
+            return FlowResponse(flow, _generate_sse(flow))
+        try:
+            last = await until_disconnected(request, collect(flow))
+        finally:
+            flow.close()
+        return JSONResponse(last.generate_obj(), headers=flow.headers)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        tok = await gw.tokenizer()
+        body.check_common(gw.model_name)
+        ids = tok.encode(body.prompt_input())
+        return await _openai(body, ids, request, "text_completion", 16)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        tok = await gw.tokenizer()
+        body.check_common(gw.model_name)
+        ids = tok.chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        return await _openai(body, ids, request, "chat.completion", tok.default_max_tokens(ids))
+
+    async def _openai(body, ids: list[int], request: Request, kind: str, default_max: int):
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        sp = {"max_new_tokens": max_tokens or default_max, "temperature": body.temperature,
+              "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
+              "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,
+              "seed": body.seed}
+        flow = gw.flow(uuid.uuid4().hex, ids, sp)
+        await until_disconnected(request, flow.start())
+        created, model = int(time.time()), gw.model_name
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            fmt = completion_stream if kind == "text_completion" else chat_stream
+            return FlowResponse(flow, fmt(flow.events(), model, created, usage))
+        try:
+            last = await until_disconnected(request, collect(flow))
+        finally:
+            flow.close()
+        return JSONResponse(final_response(kind, last, model, created), headers=flow.headers)
+
+    return app
+
+
+async def _generate_sse(flow: Flow):
+    async for ev in flow.events():
+        if isinstance(ev, ApiError):
+            yield sse(error_body(ev))
+            break
+        yield sse(ev.generate_obj())
+    yield "data: [DONE]\n\n"

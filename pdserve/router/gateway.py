@@ -1,0 +1,105 @@
+"""Everything one router process holds: the node table and its registry watcher, the
+bounded queue, the HTTP client towards nodes, the dispatcher, metrics and the tokenizer
+(loaded at start when `--model` is given, else once the first node tells the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.flow import Flow
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.nodes import NodeState, NodeTable
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.watcher import RegistryWatcher
+from pdserve.server.protocol import ApiError
+
+log = logging.getLogger("pdserve.router")
+
+
+class Gateway:
+    def __init__(self, cfg: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.table = NodeTable(cfg, model=cfg.model)
+        self.watcher = RegistryWatcher(cfg, self.table)
+        self.admission = Admission(cfg.max_running_requests, cfg.max_queued_requests,
+                                   cfg.queue_timeout_s)
+        self.metrics = RouterMetrics()
+        self.metrics.watch(lambda: self.table, self.admission)
+        # read=None: a decode leg streams for as long as generation lasts; the request
+        # timeout bounds it instead. No proxy from the environment between router and nodes.
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            trust_env=False)
+        self.dispatcher = Dispatcher(cfg, self.table, self.watcher, self.http, self._on_leg,
+                                     self.metrics.retries.inc)
+        self._tokenizer = tokenizer
+        self._tokenizer_task: asyncio.Future | None = None
+        self._watch_task: asyncio.Task | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.served_model_name or self.table.model
+
+    async def start(self) -> None:
+        await self.watcher.refresh()
+        self._watch_task = asyncio.create_task(self.watcher.run())
+
+    async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        await self.http.aclose()
+        await asyncio.to_thread(self.watcher.close)
+
+    async def tokenizer(self) -> RouterTokenizer:
+        if self._tokenizer is not None:
+            return self._tokenizer
+        if not self.table.model:
+            raise ApiError(503, "no node has registered yet (the router learns the model "
+                                "from the first node); try again shortly", "no_node")
+        if self._tokenizer_task is None:
+            self._tokenizer_task = asyncio.ensure_future(asyncio.to_thread(
+                RouterTokenizer, self.table.model, self.cfg.model_cache_dir))
+        try:
+            self._tokenizer = await asyncio.shield(self._tokenizer_task)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ApiError(503, f"cannot load the tokenizer of {self.table.model!r}: {exc}",
+                           "no_tokenizer") from exc
+        return self._tokenizer
+
+    def flow(self, rid: str, ids: list[int], sampling: dict) -> Flow:
+        return Flow(rid, ids, sampling, self.admission, self.dispatcher, self.metrics,
+                    self.cfg.request_timeout_s)
+
+    def _on_leg(self, node: NodeState, outcome: str) -> None:
+        node.counts[outcome] = node.counts.get(outcome, 0) + 1
+        self.metrics.legs.labels(node.node_id, node.role, outcome).inc()
+
+    def health(self) -> tuple[bool, dict]:
+        """Ready to serve: the tokenizer is loaded and some usable prefill node has a
+        usable decode node it pairs with."""
+        prefill, decode = self.table.usable("prefill"), self.table.usable("decode")
+        paired = any(p.pairs_with(d) for p in prefill for d in decode)
+        info = {"model": self.model_name, "prefill": len(prefill), "decode": len(decode),
+                "registry": "ok" if self.watcher.connected else self.watcher.last_error}
+        if self.table.model and self._tokenizer is None and self._tokenizer_task is None:
+            asyncio.ensure_future(self._warm_tokenizer())
+        if self._tokenizer is None:
+            return False, {**info, "reason": "the tokenizer is not loaded yet"}
+        if not paired:
+            return False, {**info, "reason": "no usable prefill/decode pair"}
+        return True, info
+
+    async def _warm_tokenizer(self) -> None:
+        with contextlib.suppress(ApiError):
+            await self.tokenizer()

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the router: latency as the client sees it through the router
+(TTFT, TPOT, E2E), requests by outcome, legs per node by outcome, retries; and, read at
+scrape time, the queue and every node's in-flight count, reported load and breaker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from pdserve.router.admission import Admission
+from pdserve.router.nodes import NodeTable
+from pdserve.server.metrics import LATENCY_BUCKETS
+
+BREAKER_STATES = ("closed", "half_open", "open")
+
+
+class _LiveCollector:
+    def __init__(self, table: Callable[[], NodeTable], admission: Admission) -> None:
+        self.table, self.admission = table, admission
+
+    def collect(self):
+        yield GaugeMetricFamily("pdserve_router_requests_running",
+                                "requests holding a dispatch slot", value=self.admission.running)
+        yield GaugeMetricFamily("pdserve_router_requests_waiting",
+                                "requests queued for a dispatch slot",
+                                value=self.admission.waiting)
+        nodes = list(self.table().nodes.values())
+        labels = ["node_id", "role"]
+        inflight = GaugeMetricFamily("pdserve_router_node_inflight",
+                                     "this router's open legs per node", labels=labels)
+        load = GaugeMetricFamily("pdserve_router_node_reported_load",
+                                 "running + waiting requests the node last reported",
+                                 labels=labels)
+        breaker = GaugeMetricFamily("pdserve_router_node_breaker_state",
+                                    "circuit breaker: 0 closed, 1 half-open, 2 open",
+                                    labels=labels)
+        count = GaugeMetricFamily("pdserve_router_nodes", "live nodes in the registry",
+                                  labels=["role"])
+        for n in nodes:
+            key = [n.node_id, n.role]
+            inflight.add_metric(key, n.inflight)
+            load.add_metric(key, n.record.load.running + n.record.load.waiting)
+            breaker.add_metric(key, BREAKER_STATES.index(n.breaker.state))
+        for role in ("prefill", "decode"):
+            count.add_metric([role], sum(n.role == role for n in nodes))
+        yield from (inflight, load, breaker, count)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
+                              "TTFT through the router", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_router_time_per_output_token_seconds",
+                              "TPOT through the router", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds",
+                             "request latency through the router", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.requests = Counter("pdserve_router_requests",
+                                "finished requests by finish reason or error code",
+                                ["outcome"], registry=r)
+        self.legs = Counter("pdserve_router_node_requests",
+                            "legs sent to each node, by outcome (ok, error, refused, "
+                            "unreachable, cancelled)", ["node_id", "role", "outcome"],
+                            registry=r)
+        self.retries = Counter("pdserve_router_retries",
+                               "dispatch attempts abandoned for another node pair", registry=r)
+
+    def watch(self, table: Callable[[], NodeTable], admission: Admission) -> None:
+        self.registry.register(_LiveCollector(table, admission))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

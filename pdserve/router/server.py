@@ -1,0 +1,62 @@
+"""`pdserve router`: load the tokenizer (when the model is known), read the registry once,
+then serve HTTP until SIGTERM/Ctrl-C. Shutdown lets open streams finish for up to
+`GRACEFUL_S`, then cancels the rest (which cancels their legs on the nodes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import uvicorn
+
+from pdserve.router.app import build_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.gateway import Gateway
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.server.body_limit import BodyLimitMiddleware
+
+log = logging.getLogger("pdserve.router")
+GRACEFUL_S = 10
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before loading anything when another process holds the port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
+def serve(cfg: RouterConfig) -> int:
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.log_level != "debug":  # one line per registry poll and per leg otherwise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    check_port_free(cfg.host, cfg.port)
+    # With --model the tokenizer loads now, so a wrong model fails at start, not per request.
+    tokenizer = RouterTokenizer(cfg.model, cfg.model_cache_dir) if cfg.model else None
+    return asyncio.run(_serve_async(cfg, tokenizer))
+
+
+async def _serve_async(cfg: RouterConfig, tokenizer: RouterTokenizer | None) -> int:
+    gw = Gateway(cfg, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await gw.start()
+        log.info("router on http://%s:%d, registry %s: %s", cfg.host, cfg.port, cfg.registry,
+                 gw.table.counts())
+        yield
+        await gw.close()
+
+    app = build_app(gw, lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug"))
+    await server.serve()
+    return 0

@@ -1,0 +1,63 @@
+"""The router tokenizes each request once, exactly as a node would (no special tokens for
+plain prompts, the model's chat template for chat), and hands token ids to both legs.
+
+transformers is imported here only (it brings torch along on its own; the router itself
+never uses torch). The context length comes from the model's config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from pdserve.server.protocol import ApiError
+
+log = logging.getLogger("pdserve.router")
+FALLBACK_CONTEXT = 2048  # a config.json without max_position_embeddings
+
+
+class RouterTokenizer:
+    def __init__(self, model: str, cache_dir: str = "") -> None:
+        from transformers import AutoTokenizer
+
+        from pdserve.models.builtin import resolve_model
+
+        path = resolve_model(model, cache_dir)
+        self.model = model
+        self.tok = AutoTokenizer.from_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        self.context_length = int(config.get("max_position_embeddings") or FALLBACK_CONTEXT)
+        self.vocab_size = int(config.get("vocab_size") or len(self.tok))  # what nodes check
+        log.info("tokenizer of %s loaded (context length %d)", model, self.context_length)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        ids = (self.tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
+               else list(prompt))
+        self.check(ids)
+        return ids
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        try:
+            ids = self.tok.apply_chat_template(messages, tokenize=True,
+                                               add_generation_prompt=True)
+        except Exception as exc:  # template errors are the client's messages' fault
+            raise ApiError(400, f"cannot apply the chat template: {exc}") from exc
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        self.check(ids)
+        return ids
+
+    def check(self, ids: list[int]) -> None:
+        """The checks a node would make, made before any node is bothered."""
+        if not ids:
+            raise ApiError(400, "the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {self.vocab_size})")
+        if len(ids) >= self.context_length:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but this model's context "
+                                f"length is {self.context_length} tokens",
+                           "context_length_exceeded")
+
+    def default_max_tokens(self, ids: list[int]) -> int:
+        return max(1, self.context_length - len(ids))

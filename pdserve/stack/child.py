@@ -1,0 +1,102 @@
+"""One child process of the stack: started in its own session (so its whole tree is one
+process group that a signal can reach without touching `up`), logging to a file, armed to
+die with `up` (guard.py), and stopped as a tree: SIGTERM to the child, a grace period for
+its graceful shutdown, then SIGKILL to every process left in its group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PORT_TAKEN = ("address already in use", "cannot listen on", "port is already in use")
+
+
+class Child:
+    def __init__(self, name: str, cmd: list[str], log_path: Path, url: str,
+                 health_path: str = "/health") -> None:
+        self.name, self.cmd, self.log_path, self.url = name, cmd, log_path, url
+        self.health_url = url + health_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        guarded = [sys.executable, "-m", "pdserve.stack.guard", str(os.getpid()), *self.cmd]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        """The exit code once the child has exited, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def healthy(self, client: httpx.Client) -> bool:
+        try:
+            return client.get(self.health_url, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def lost_port_race(self) -> bool:
+        tail = self.log_tail(4000).lower()
+        return self.exited() is not None and any(s in tail for s in PORT_TAKEN)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Wait until the child and every process of its group are gone."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or (self.proc.poll() is not None and not self._group_alive()):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def kill_tree(self) -> None:
+        if self.proc is None:
+            return
+        if self._group_alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _group_alive(self) -> bool:
+        """Does any live (non-zombie) process remain in the child's process group?"""
+        assert self.proc is not None
+        pgid = self.proc.pid  # start_new_session: the child leads its own group
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+        return False

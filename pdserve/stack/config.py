@@ -1,0 +1,99 @@
+"""Frozen configs of `pdserve up` (`StackConfig`) and `pdserve demo` (`DemoConfig`), one
+`--flag` per field; the help text lives in each field's metadata."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass, field, fields, replace
+
+TRANSFER_BACKENDS = ("", "mooncake", "tcp")
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str = _opt("", "model of every node: built-in name (smollm2-135m, tiny-llama, "
+                          "tiny-qwen2) or a local HF folder")
+    prefill: int = _opt(1, "prefill nodes")
+    decode: int = _opt(1, "decode nodes")
+    host: str = _opt("127.0.0.1", "address the router binds (the rest stay on loopback)")
+    port: int = _opt(8000, "router port (0: any free port)")
+    registry_port: int = _opt(0, "registry port (0: any free port)")
+    transfer_backend: str = _opt("", "KV transfer backend of the nodes: mooncake or tcp "
+                                     "(empty: the nodes' default)", choices=TRANSFER_BACKENDS,
+                                 metavar="{mooncake,tcp}")
+    node_args: str = _opt("", "extra flags for every node, e.g. '--max-running-requests 32'")
+    router_args: str = _opt("", "extra flags for the router, e.g. '--queue-timeout-s 5'")
+    registry_token: str = _opt("", "bearer token the registry requires for writes")
+    log_dir: str = _opt("", "folder for the children's logs (default: a new temp folder)")
+    startup_timeout_s: float = _opt(900.0, "longest wait for every process to be healthy "
+                                           "(the first start converts smollm2-135m)")
+    stop_timeout_s: float = _opt(20.0, "grace for each child after SIGTERM before SIGKILL")
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model is required")
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be >= 1")
+        for flag, port in (("--port", self.port), ("--registry-port", self.registry_port)):
+            if not 0 <= port < 65536:
+                raise ValueError(f"{flag} must be in 0..65535, got {port}")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError("--transfer-backend must be mooncake or tcp")
+        if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise ValueError("--startup-timeout-s and --stop-timeout-s must be > 0")
+        for flag, text in (("--node-args", self.node_args), ("--router-args", self.router_args)):
+            try:
+                shlex.split(text)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    stack: StackConfig
+    num_prompts: int = _opt(48, "requests of the load test")
+    request_rate: float = _opt(2.0, "requests/s (Poisson arrivals)")
+    input_len: int = _opt(128, "prompt tokens per request")
+    output_len: int = _opt(32, "output tokens per request")
+    max_concurrency: int = _opt(16, "most requests in flight (0: unbounded)")
+    backend: str = _opt("openai", "API the load test uses: openai (completions), "
+                                  "openai-chat, or generate",
+                        choices=("openai", "openai-chat", "generate"))
+    output_file: str = _opt("", "also append the load test's JSON line to this file")
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
+            raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+        if not self.request_rate > 0 or self.max_concurrency < 0:
+            raise ValueError("--request-rate must be > 0 and --max-concurrency >= 0")
+
+
+DEMO_STACK_DEFAULTS = {"model": "smollm2-135m", "port": 0}
+
+
+def add_flags(p: argparse.ArgumentParser, cls: type, title: str,
+              defaults: dict | None = None, skip: tuple[str, ...] = ()) -> None:
+    g = p.add_argument_group(title)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        default = (defaults or {}).get(f.name, f.default)
+        kind = {"int": int, "float": float}.get(f.type, str) if isinstance(f.type, str) else f.type
+        extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        g.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                       help=f.metadata["help"], **extra)
+
+
+def stack_from_cli(args: argparse.Namespace, **overrides) -> StackConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(StackConfig)}
+    return replace(StackConfig(**values), **overrides) if overrides else StackConfig(**values)
+
+
+def demo_from_cli(args: argparse.Namespace) -> DemoConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if f.name != "stack"}
+    return DemoConfig(stack=stack_from_cli(args), **values)

@@ -1,0 +1,221 @@
+"""The local two-tier stack: registry, N prefill nodes, M decode nodes and the router, each
+a child process on a loopback port, started, watched until healthy, and stopped.
+
+Start order: the model is resolved once here (a first run converts smollm2-135m once, not
+in every child at the same time); the registry comes up first (on a port it picks itself,
+so no race for it), then every node and the router start together. A node or a
+free-port router that lost its port to another process between our check and its bind
+is restarted on a new port. Stop order: router (no new requests), nodes, registry.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pdserve.stack.child import Child
+from pdserve.stack.config import StackConfig
+from pdserve.stack.ports import check_port_free, free_port
+
+LOOPBACK = "127.0.0.1"
+PORT_RETRIES = 3
+_REGISTRY_PORT = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Member:
+    """A child plus what the stack knows about it."""
+
+    name: str  # registry | prefill-0 | decode-1 | router
+    child: Child
+    role: str = ""  # prefill | decode for nodes
+    ready: bool = False
+    retries: int = 0
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig, say=print) -> None:
+        self.cfg, self.say = cfg, say
+        self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.members: list[Member] = []
+        self.registry_url = ""
+        self.router_url = ""
+        self.http = httpx.Client(trust_env=False)
+
+    # ---- start ---------------------------------------------------------------------------
+    def start(self) -> Stack:
+        cfg = self.cfg
+        if cfg.port:
+            check_port_free(cfg.host, cfg.port)  # clear error before anything starts
+        from pdserve.models.builtin import resolve_model
+
+        try:
+            resolve_model(cfg.model)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise StackError(f"--model {cfg.model!r}: {exc}") from exc
+        t0 = time.monotonic()
+        self._start_registry(t0 + cfg.startup_timeout_s)
+        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for i in range(count):
+                self.members.append(self._node(f"{role}-{i}", role, free_port()))
+        self.members.append(self._router(cfg.port or free_port()))
+        for m in self.members[1:]:
+            m.child.start()
+        self._wait_ready(t0 + cfg.startup_timeout_s)
+        return self
+
+    def _start_registry(self, deadline: float) -> None:
+        port = self.cfg.registry_port
+        cmd = [sys.executable, "-m", "bootstrap.cli", "--host", LOOPBACK, "--port", str(port)]
+        if self.cfg.registry_token:
+            cmd += ["--token", self.cfg.registry_token]
+        child = Child("registry", cmd, self.log_dir / "registry.log", "")
+        self.members.append(Member("registry", child))
+        child.start()
+        while time.monotonic() < deadline:
+            found = _REGISTRY_PORT.findall(child.log_tail(20000))
+            if found:
+                self.registry_url = child.url = f"http://{LOOPBACK}:{found[-1]}"
+                child.health_url = self.registry_url + "/health"
+                if child.healthy(self.http):
+                    self.members[0].ready = True
+                    return
+            if child.exited() is not None:
+                raise StackError(f"the registry exited with {child.exited()}:\n"
+                                 f"{child.log_tail()}")
+            time.sleep(0.1)
+        raise StackError("the registry did not come up in time")
+
+    def _node(self, name: str, role: str, port: int) -> Member:
+        cfg = self.cfg
+        url = f"http://{LOOPBACK}:{port}"
+        common = ["--model", cfg.model, "--host", LOOPBACK, "--port", str(port)]
+        cmd = [sys.executable, "-m", "pdserve.cli", role, *common,
+               "--registry", self.registry_url, "--node-id", name]
+        if cfg.registry_token:
+            cmd += ["--registry-token", cfg.registry_token]
+        if cfg.transfer_backend:
+            cmd += ["--transfer-backend", cfg.transfer_backend]
+        cmd += shlex.split(cfg.node_args)
+        return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
+
+    def _router(self, port: int) -> Member:
+        cfg = self.cfg
+        host = LOOPBACK if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        self.router_url = f"http://{host}:{port}"
+        cmd = [sys.executable, "-m", "pdserve.cli", "router", "--registry", self.registry_url,
+               "--host", cfg.host, "--port", str(port), "--model", cfg.model]
+        if cfg.registry_token:
+            cmd += ["--registry-token", cfg.registry_token]
+        cmd += shlex.split(cfg.router_args)
+        return Member("router", Child("router", cmd, self.log_dir / "router.log",
+                                      self.router_url))
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            pending = [m for m in self.members if not m.ready]
+            if not pending:
+                return
+            for m in pending:
+                self._check(m)
+            if time.monotonic() > deadline:
+                names = ", ".join(m.name for m in self.members if not m.ready)
+                raise StackError(f"not healthy after {self.cfg.startup_timeout_s:g}s: {names} "
+                                 f"(logs in {self.log_dir})")
+            time.sleep(0.3)
+
+    def _check(self, m: Member) -> None:
+        code = m.child.exited()
+        if code is not None:
+            if m.child.lost_port_race() and m.retries < PORT_RETRIES and (
+                    m.name != "router" or not self.cfg.port):
+                self._restart_on_new_port(m)
+                return
+            raise StackError(f"{m.name} exited with {code} during start-up "
+                             f"(log {m.child.log_path}):\n{m.child.log_tail()}")
+        if not m.child.healthy(self.http):
+            return
+        if m.role and not self._registered(m.name):
+            return  # a node registers itself once its engine is up; wait for the record
+        m.ready = True
+        self.say(f"  {m.name:<10} ready  {m.child.url}")
+
+    def _restart_on_new_port(self, m: Member) -> None:
+        fresh = self._router(free_port()) if m.name == "router" else self._node(
+            m.name, m.role, free_port())
+        fresh.retries = m.retries + 1
+        self.members[self.members.index(m)] = fresh
+        fresh.child.start()
+
+    def _registered(self, node_id: str) -> bool:
+        try:
+            resp = self.http.get(f"{self.registry_url}/v1/nodes", timeout=2.0,
+                                 headers=self._auth())
+            return any(n.get("node_id") == node_id for n in resp.json().get("nodes", []))
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def _auth(self) -> dict:
+        token = self.cfg.registry_token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    # ---- run -----------------------------------------------------------------------------
+    def member(self, name: str) -> Member:
+        return next(m for m in self.members if m.name == name)
+
+    def dead_members(self) -> list[Member]:
+        return [m for m in self.members if m.child.exited() is not None]
+
+    def urls(self) -> list[tuple[str, str]]:
+        """(name, where) rows for the start-up report; process rows name their pid (each
+        child leads a process group: `kill -- -PID` stops its whole tree)."""
+        by_name = {m.name: m for m in self.members}
+
+        def row(name: str, url: str) -> tuple[str, str]:
+            return name, f"{url}  (pid {by_name[name].child.pid})"
+
+        rows = [row("router", self.router_url), ("openai", self.router_url + "/v1"),
+                row("registry", self.registry_url)]
+        rows += [row(m.name, m.child.url) for m in self.members if m.role]
+        return rows + [("logs", str(self.log_dir))]
+
+    # ---- stop ----------------------------------------------------------------------------
+    def stop(self) -> list[str]:
+        """Stop every child (router, nodes, registry); returns the names that needed
+        SIGKILL. Idempotent."""
+        killed: list[str] = []
+        groups = [[m for m in self.members if m.name == "router"],
+                  [m for m in self.members if m.role],
+                  [m for m in self.members if m.name == "registry"]]
+        for group in groups:
+            for m in group:
+                m.child.signal(signal.SIGTERM)
+            for m in group:
+                if not m.child.wait_stopped(self.cfg.stop_timeout_s):
+                    killed.append(m.name)
+                m.child.kill_tree()
+        self.http.close()
+        return killed
+
+    def __enter__(self) -> Stack:
+        try:
+            return self.start()
+        except BaseException:  # a failed or interrupted start leaves nothing behind
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
