@@ -133,6 +133,8 @@ class DecodeRole(Role):
             self.engine.out.finish(req, reason)
 
     def _fail(self, req, reason: str) -> None:
+        """The receiver is terminal here, so no write can land: free everything now."""
+        self._free_meta(req)
         req.error = reason
         self.engine.out.finish(req, "error", cache_it=False)
 

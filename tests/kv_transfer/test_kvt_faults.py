@@ -113,7 +113,8 @@ def test_deadlines_and_unknown_room(pair: Pair) -> None:
     pair.prefill.call("senders", [{"room": lonely["room"], "pages": lonely["src"],
                                    "mgr": "short"}])
     # stalled: accepted, but the prefill never sends (its only chunk is held).
-    launch(pair, [stalled | {"hold_last": True}], mgr="short", endpoint=ep)
+    launch(pair, [stalled | {"hold_last": True, "chunks": [len(stalled["src"])]}], mgr="short",
+           endpoint=ep)
     t0 = time.monotonic()
     got = pair.decode.wait([unknown["room"], stalled["room"]], timeout=10)
     assert got[unknown["room"]][0] == FAILED and "unknown room" in got[unknown["room"]][1]
