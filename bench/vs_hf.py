@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     args = parser.parse_args()
     if args.quick:
-        reqs = workload(16, (32, 256), (16, 64))
+        reqs = workload(12, (32, 160), (16, 48))
     else:
         reqs = workload(args.num_prompts, (32, 512), (16, 256))
     out_tokens = sum(o for _, o in reqs)

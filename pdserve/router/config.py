@@ -32,7 +32,7 @@ class RouterConfig:
     max_queued_requests: int = _opt(1024, "requests waiting for a dispatch slot; beyond: 429")
     queue_timeout_s: float = _opt(30.0, "longest wait for a dispatch slot; beyond: 408")
     request_timeout_s: float = _opt(600.0, "time limit of one whole request; beyond: 408")
-    connect_timeout_s: float = _opt(2.0, "TCP connect limit towards a node")
+    connect_timeout_s: float = _opt(5.0, "TCP connect limit towards a node")
     dispatch_attempts: int = _opt(3, "node pairs tried when a node cannot be reached or "
                                      "refuses before any output (429/503)")
     breaker_failures: int = _opt(3, "consecutive failures that open a node's circuit breaker "

@@ -82,12 +82,12 @@ class Dispatcher:
                 pair[0].breaker.acquire()
                 pair[1].breaker.acquire()
                 return pair
-        raise ApiError(503, self._why_none(excluded, last), "no_node")
+        raise ApiError(503, self._why_none(last), "no_node")
 
     def _choose(self, ids: list[int], excluded: set[str]) -> tuple[NodeState, NodeState] | None:
         c = self.cfg
-        prefills = [n for n in self.table.usable("prefill") if n.node_id not in excluded]
-        decodes = [n for n in self.table.usable("decode") if n.node_id not in excluded]
+        prefills = _prefer_others(self.table.usable("prefill"), excluded)
+        decodes = _prefer_others(self.table.usable("decode"), excluded)
         for p in order_prefill(prefills, ids, c.prefix_pages, c.balance_abs_threshold,
                                c.balance_rel_threshold, self.rng):
             ranked = order_decode(decodes, p, self.rng)
@@ -95,13 +95,13 @@ class Dispatcher:
                 return p, ranked[0]
         return None
 
-    def _why_none(self, excluded: set[str], last: LegError | None) -> str:
+    def _why_none(self, last: LegError | None) -> str:
         parts = []
         for role in ("prefill", "decode"):
             nodes = self.table.of_role(role)
             if not nodes:
                 parts.append(f"no {role} node is registered")
-            elif not [n for n in nodes if n.breaker.available() and n.node_id not in excluded]:
+            elif not [n for n in nodes if n.breaker.available()]:
                 errors = "; ".join(f"{n.node_id}: {n.last_error or n.breaker.state}"
                                    for n in nodes[:4])
                 parts.append(f"every {role} node is failing ({errors})")
@@ -113,3 +113,10 @@ class Dispatcher:
         if self.watcher.last_error:
             parts.append(f"registry unreachable: {self.watcher.last_error}")
         return "no node can serve the request: " + "; ".join(parts)
+
+
+def _prefer_others(nodes: list[NodeState], excluded: set[str]) -> list[NodeState]:
+    """Nodes that failed this request are left out while another is usable; a lone node
+    whose breaker still allows it (the failure was soft, e.g. a slow accept) is retried."""
+    others = [n for n in nodes if n.node_id not in excluded]
+    return others or nodes

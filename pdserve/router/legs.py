@@ -74,9 +74,12 @@ def status_error(node: NodeState, leg: str, resp: httpx.Response) -> LegError:
 
 def transport_error(node: NodeState, leg: str, exc: httpx.HTTPError) -> LegError:
     where = f"{leg} node {node.node_id} ({node.url})"
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+    if isinstance(exc, httpx.ConnectError):  # refused: nothing listens there
         return LegError(node, leg, 503, f"{where} is unreachable: {exc!r}", retryable=True,
                         node_fault=True, hard=True)
+    if isinstance(exc, httpx.ConnectTimeout):  # maybe only busy: counts, does not open
+        return LegError(node, leg, 503, f"{where} did not accept a connection in time",
+                        retryable=True, node_fault=True)
     return LegError(node, leg, 503, f"{where} failed mid-request: {exc!r}", node_fault=True)
 
 

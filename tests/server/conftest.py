@@ -3,12 +3,16 @@ session (machinery in server_harness.py), and the offline engine as the referenc
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 import torch
-from server_harness import MODEL, Server
+from server_harness import MODEL, Server, sse_events
 
 from pdserve import LLM, SamplingParams
 
@@ -16,17 +20,57 @@ from pdserve import LLM, SamplingParams
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The default node, shared by every test that does not need special flags. Its
-    teardown is itself a check: SIGTERM exits 0 and leaves no child process behind."""
+    teardown is itself a check: Ctrl-C (SIGINT to the whole process group, as a terminal
+    sends it) during a short streaming request lets that request finish, then exits
+    cleanly, leaving no process and no IPC file behind."""
     srv = Server(log_dir=tmp_path_factory.mktemp("server")).start()
     try:
         yield srv
-        rc = srv.terminate()
-        orphans = srv.orphans()
-        assert rc == 0 and not orphans, (rc, orphans, srv.log()[-3000:])
-        assert not srv.leftover_files(), srv.leftover_files()
-        assert "Traceback" not in srv.log(), srv.log()[-6000:]
+        served = srv.log()
+        in_flight = InFlight(srv, max_new_tokens=150)
+        rc = srv.terminate(sig=signal.SIGINT, group=True)
+        problems = in_flight.problems()
+        if "Traceback" in served:  # a handler blew up during the session
+            problems.append("traceback while serving:\n" +
+                            served[served.index("Traceback"):][:4000])
+        # exit 0, or dead by SIGINT / 130, as an interrupted program may report it
+        problems += srv.exit_problems(rc, (0, -signal.SIGINT, 128 + signal.SIGINT), served)
+        assert not problems, "after Ctrl-C: " + "\n".join(problems)
     finally:
         srv.stop()
+
+
+class InFlight:
+    """A streaming /generate request running in a thread; started when constructed, it
+    has produced its first tokens when the constructor returns."""
+
+    def __init__(self, srv: Server, max_new_tokens: int) -> None:
+        self.n = max_new_tokens
+        self.lines: list[str] = []
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(srv,))
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while len(self.lines) < 2 and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _run(self, srv: Server) -> None:
+        body = {"text": "in flight", "stream": True, "sampling_params": {
+            "max_new_tokens": self.n, "temperature": 0, "ignore_eos": True}}
+        try:
+            with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=60) as r:
+                self.lines.extend(ln for ln in r.iter_lines() if ln.strip())
+        except BaseException as exc:  # reported by problems()
+            self.errors.append(exc)
+
+    def problems(self) -> list[str]:
+        self.thread.join(60)
+        if self.thread.is_alive() or self.errors:
+            return [f"in-flight request: {self.errors or 'hangs'}"]
+        events = sse_events(self.lines)
+        if events[-1] != "[DONE]" or events[-2]["meta_info"]["completion_tokens"] != self.n:
+            return [f"in-flight request not drained: ends with {self.lines[-2:]}"]
+        return []
 
 
 @pytest.fixture

@@ -114,16 +114,22 @@ class Server:
                 return pid
         raise AssertionError(f"no scheduler child among {self.children}")
 
-    def terminate(self, timeout: float = 40) -> int:
-        """SIGTERM; wait for a clean exit. Returns the exit code (kills it on a hang)."""
+    def terminate(self, timeout: float = 40, sig: int = signal.SIGTERM,
+                  group: bool = False) -> int:
+        """Send `sig` (to the server only, or with `group` to its whole process group, as
+        Ctrl-C in a terminal, `timeout` or a container runtime do); wait for a clean exit.
+        Returns the exit code (kills everything on a hang)."""
         assert self.proc is not None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._kill_group()
-                raise AssertionError(f"server ignored SIGTERM for {timeout}s:\n"
+                raise AssertionError(f"server ignored signal {sig} for {timeout}s:\n"
                                      f"{self.log()[-3000:]}") from None
         self.returncode = self.proc.returncode
         return self.returncode
@@ -140,6 +146,22 @@ class Server:
     def leftover_files(self) -> list[str]:
         """What the server left in its TMPDIR (its IPC folder should be gone after exit)."""
         return sorted(str(p.relative_to(self.tmp_dir)) for p in self.tmp_dir.rglob("*"))
+
+    def exit_problems(self, rc: int, ok_codes: tuple[int, ...] = (0,),
+                      log_before: str = "") -> list[str]:
+        """What is wrong after the server exited with `rc`: its exit code, children still
+        alive, files left in its TMPDIR, a traceback printed since `log_before`."""
+        problems = []
+        if rc not in ok_codes:
+            problems.append(f"exit code {rc} (expected one of {ok_codes})")
+        if orphans := self.orphans():
+            problems.append(f"orphan processes {orphans} (children were {self.children})")
+        if leftovers := self.leftover_files():
+            problems.append(f"leftover IPC files {leftovers}")
+        tail = self.log()[len(log_before):]
+        if "Traceback" in tail:
+            problems.append("traceback printed:\n" + tail[tail.index("Traceback"):][:3000])
+        return problems
 
     def stop(self) -> None:
         """Idempotent teardown: SIGTERM, then SIGKILL of the whole group; leave nothing."""

@@ -106,6 +106,17 @@ def test_completion_stream_stop_string_never_leaks(client, offline, as_list):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stream_with_unmatched_stop_strings_flushes_everything(client, offline):
+    """Held-back characters (a stop string might be starting) are released at the end."""
+    prompt = PROMPTS[1]
+    ref = offline.greedy(prompt, 16)
+    stops = ["\x00this never appears", "\x01nor this"]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                            temperature=0, stream=True, stop=stops))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_completion_seed_is_reproducible_and_matches_offline(client, offline):
     prompt = PROMPTS[2]
 
@@ -162,6 +173,18 @@ def test_chat_stream_with_usage_equals_offline(client, offline):
     assert not any(c.choices[0].finish_reason for c in body[:-1])
     assert last.choices == [] and last.usage.completion_tokens == 16
     assert last.usage.prompt_tokens == len(ids)
+
+
+def test_chat_content_parts_equal_plain_text(client, offline):
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You are a terse "},
+                                            {"type": "text", "text": "assistant."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Name three colours, "},
+                                          {"type": "text", "text": "please."}]}]
+    ref = offline.greedy(offline.chat_ids(CHAT), 8)
+    r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(offline.chat_ids(CHAT))
 
 
 def test_chat_stop_string(client, offline):
