@@ -142,6 +142,18 @@ class PrefillRole(Role):
         self.inflight.append(req)
         return True
 
+    def may_retract(self, req) -> bool:
+        return False  # pages may already be queued on the sender: never take them back
+
+    def abort_held(self, req) -> bool:
+        """An abort while the KV is being sent (inflight queue): stop the transfer so the
+        decode leg fails fast; the KV is freed once the sender is terminal."""
+        if req not in self.inflight or req.sender.poll().terminal:
+            return False
+        req.error, req.finish_reason = "aborted", "abort"
+        req.sender.abort("aborted")
+        return True
+
     def _send(self, req, pages: range) -> None:
         if len(pages):
             req.sender.send([req.pages[p] for p in pages])

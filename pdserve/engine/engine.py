@@ -111,8 +111,10 @@ class Engine:
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
-        if req is None or req.finished:
+        if req is None:
             return False
+        if req.finished:  # done computing, but the role may still hold it (KV being sent)
+            return self.role.abort_held(req)
         req.error = req.error or "aborted"
         self.out.finish(req, "abort")
         return True

@@ -48,6 +48,14 @@ class Role:
         included. True: the role keeps its KV and calls `engine.out.complete` later."""
         return False
 
+    def may_retract(self, req: Req) -> bool:
+        """False for requests whose KV a transfer may still be reading."""
+        return True
+
+    def abort_held(self, req: Req) -> bool:
+        """Abort a finished request whose KV the role still holds (e.g. being sent)."""
+        return False
+
     def stats(self) -> dict:
         return {}
 

@@ -106,11 +106,13 @@ class Scheduler:
                 req.prepare_fill()
                 if not self.kv.admit(req):
                     break
-                self.role.on_admitted(req)
             row = self._extend_row(req, min(budget, chunk))
             if row is None:
                 self.kv.release(req, cache_it=False)
                 break
+            # Only now that it surely runs: its cached pages stay locked from here on, so
+            # the role may ship them (early send) without them being evicted meanwhile.
+            self.role.on_admitted(req)
             self.waiting.popleft()
             req.state = ReqState.RUNNING
             self.running.append(req)
@@ -171,7 +173,7 @@ class Scheduler:
         """Nothing can run and nothing is in flight, yet partly prefilled requests hold KV
         (decode steps beyond their reservation ate the pages their chunks were owed): send
         the newest one back to waiting so the others can finish."""
-        partial = [r for r in self.running if not r.prefill_done]
+        partial = [r for r in self.running if not r.prefill_done and self.role.may_retract(r)]
         if partial and (len(partial) > 1 or len(self.running) > 1):
             self._retract(partial[-1])
 
@@ -188,7 +190,9 @@ class Scheduler:
         """Move the newest requests back to waiting until the rest can take one more token.
         Only called with no batch in flight, so every output is known and no page is read."""
         while decoding and self._pages_for_decode(decoding) > self.kv.available_pages:
-            self._retract(decoding.pop())
+            victim = decoding.pop()
+            if self.role.may_retract(victim):
+                self._retract(victim)
         return decoding
 
     def has_work(self) -> bool:

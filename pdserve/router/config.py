@@ -25,7 +25,7 @@ class RouterConfig:
     port: int = _opt(8000, "HTTP port")
     model: str = _opt("", "model served (built-in name or local HF folder); empty: the model "
                           "the first registered node serves. Nodes serving another are ignored")
-    served_model_name: str = _opt("", "model name clients use (default: the model)")
+    served_model_name: str = _opt("", "model name clients use (empty: the model)")
     model_cache_dir: str = _opt("", "where built-in models live (default: user cache)")
     registry_poll_s: float = _opt(1.0, "seconds between reads of the registry's node list")
     max_running_requests: int = _opt(512, "requests dispatched to nodes at once")

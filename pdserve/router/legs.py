@@ -13,6 +13,7 @@ that node frees the request's KV pages and slot.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import httpx
@@ -26,6 +27,7 @@ CLIENT_STATUSES = {400, 408, 413, 422}
 # Statuses a node answers before doing any work (busy, shutting down): try another node.
 REFUSED_STATUSES = {429, 503}
 
+log = logging.getLogger("pdserve.router")
 LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
 
 
@@ -58,9 +60,17 @@ def _node_message(resp: httpx.Response) -> tuple[str, str | int | None]:
         return resp.text[:200] or resp.reason_phrase, None
 
 
-def status_error(node: NodeState, leg: str, resp: httpx.Response) -> LegError:
+def status_error(node: NodeState, leg: str, resp: httpx.Response,
+                 prefill: NodeState | None = None) -> LegError:
     message, code = _node_message(resp)
     status = resp.status_code
+    if prefill is not None and status in CLIENT_STATUSES and (
+            code == "prefill_node_unavailable" or repr(prefill.node_id) in message):
+        # The decode node refused our prefill node (gone from the registry since our last
+        # read, or incompatible): not the client's fault; another pair may well work.
+        return LegError(prefill, "prefill", 503, f"decode node {node.node_id} cannot take "
+                        f"KV from prefill node {prefill.node_id}: {message}", code,
+                        retryable=True)
     if status in CLIENT_STATUSES:
         return LegError(node, leg, status, message, code)
     where = f"{leg} node {node.node_id}"
@@ -98,6 +108,8 @@ class Legs:
         self.body, self.on_leg = body, on_leg
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+        self.decoding = False  # the decode leg has sent output
+        self.completed = False  # ... and all of it
 
     def start(self) -> None:
         p_body = {**self.body, "stream": False}
@@ -114,7 +126,10 @@ class Legs:
 
         def done(_: asyncio.Task) -> None:
             node.inflight -= 1
-            self.on_leg(node, outcome[0])
+            # A prefill leg still open when the decode leg has finished did its job (its
+            # answer only trails the KV it sent): it is cancelled, but it succeeded.
+            self.on_leg(node, "ok" if outcome[0] == "cancelled" and self.completed
+                        else outcome[0])
 
         task.add_done_callback(done)
         return task
@@ -142,6 +157,11 @@ class Legs:
         if error.node_fault:
             node.breaker.failure(error.hard)
             node.last_error = error.message
+        if leg == "prefill" and self.decoding:
+            # The decode node already has the KV (it is producing tokens): the prefill
+            # node's late failure cannot hurt this request any more.
+            log.warning("prefill leg failed after decoding began: %s", error.message)
+            return
         self.queue.put_nowait(error)
 
     async def _prefill(self, node: NodeState, body: dict) -> LegError | None:
@@ -156,16 +176,18 @@ class Legs:
             async with self.http.stream("POST", f"{node.url}/generate", json=body) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
-                    return status_error(node, "decode", resp)
+                    return status_error(node, "decode", resp, self.prefill)
                 async for line in resp.aiter_lines():
                     obj = parse_line(line)
                     if obj is None:
                         continue
                     if obj == DONE:
+                        self.completed = True
                         self.queue.put_nowait(DONE)
                         return None
                     if "error" in obj:
                         return inband_error(node, obj["error"])
+                    self.decoding = True
                     self.queue.put_nowait(obj)
         except httpx.HTTPError as exc:
             return transport_error(node, "decode", exc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 
 import uvicorn
@@ -31,7 +32,15 @@ def check_port_free(host: str, port: int) -> None:
             raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
+def _exit_cleanly(_signum, _frame) -> None:
+    raise SystemExit(0)
+
+
 def serve(cfg: RouterConfig) -> int:
+    # SIGTERM before uvicorn runs (tokenizer loading) ends the process at once; during the
+    # run uvicorn handles it (graceful shutdown) and then re-raises it, which lands here
+    # again: exit status 0 for a stop that was asked for, not death by signal.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.log_level != "debug":  # one line per registry poll and per leg otherwise

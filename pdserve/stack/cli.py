@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.router.cli import HelpFormatter
 from pdserve.stack.config import (
     DEMO_STACK_DEFAULTS,
     DemoConfig,
@@ -15,27 +16,18 @@ from pdserve.stack.config import (
 )
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults except empty ones, whose help says what empty means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in ("", None, False) or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_parser(sub) -> None:
     up = sub.add_parser(
         "up", help="run the whole stack locally: registry, prefill and decode nodes, router",
         description="Start the registry, --prefill prefill nodes, --decode decode nodes and "
         "the router as child processes on free loopback ports; print the URLs; stop them "
-        "all on Ctrl-C/SIGTERM.", formatter_class=_Help)
+        "all on Ctrl-C/SIGTERM.", formatter_class=HelpFormatter)
     add_flags(up, StackConfig, "stack")
     up.set_defaults(func=run_up)
     demo = sub.add_parser(
         "demo", help="the main job: `up` on smollm2-135m (1P1D), a short load test, a report",
         description="Start the stack, load-test it through the router with the load-test "
-        "harness, print a TTFT/TPOT summary, stop the stack.", formatter_class=_Help)
+        "harness, print a TTFT/TPOT summary, stop the stack.", formatter_class=HelpFormatter)
     add_flags(demo, StackConfig, "stack", DEMO_STACK_DEFAULTS)
     add_flags(demo, DemoConfig, "load test", skip=("stack",))
     demo.set_defaults(func=run_demo)

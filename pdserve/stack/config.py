@@ -24,7 +24,8 @@ class StackConfig:
     port: int = _opt(8000, "router port (0: any free port)")
     registry_port: int = _opt(0, "registry port (0: any free port)")
     transfer_backend: str = _opt("", "KV transfer backend of the nodes: mooncake or tcp "
-                                     "(empty: the nodes' default)", choices=TRANSFER_BACKENDS,
+                                     "(empty: mooncake where it loads, else tcp)",
+                                 choices=TRANSFER_BACKENDS,
                                  metavar="{mooncake,tcp}")
     node_args: str = _opt("", "extra flags for every node, e.g. '--max-running-requests 32'")
     router_args: str = _opt("", "extra flags for the router, e.g. '--queue-timeout-s 5'")
@@ -56,11 +57,13 @@ class StackConfig:
 @dataclass(frozen=True)
 class DemoConfig:
     stack: StackConfig
-    num_prompts: int = _opt(48, "requests of the load test")
-    request_rate: float = _opt(2.0, "requests/s (Poisson arrivals)")
+    # Sized for ~40 s on 2 CPU cores with smollm2-135m, below the point where queueing
+    # dominates TTFT (about 1 request/s there).
+    num_prompts: int = _opt(32, "requests of the load test")
+    request_rate: float = _opt(1.0, "requests/s (Poisson arrivals)")
     input_len: int = _opt(128, "prompt tokens per request")
     output_len: int = _opt(32, "output tokens per request")
-    max_concurrency: int = _opt(16, "most requests in flight (0: unbounded)")
+    max_concurrency: int = _opt(8, "most requests in flight (0: unbounded)")
     backend: str = _opt("openai", "API the load test uses: openai (completions), "
                                   "openai-chat, or generate",
                         choices=("openai", "openai-chat", "generate"))

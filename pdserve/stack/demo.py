@@ -85,7 +85,7 @@ def run_demo(cfg: DemoConfig) -> int:
             say(f"pdserve demo: starting {cfg.stack.prefill}P{cfg.stack.decode}D of "
                 f"{cfg.stack.model} (logs in {stack.log_dir})")
             stack.start()
-            print_urls(stack, started)
+            print_urls(stack, started, "pdserve demo")
             row = load_test(cfg, stack.router_url)
             say(summary(row, legs_per_node(stack.router_url), cfg))
             code = 0 if row["failed"] == 0 else 1

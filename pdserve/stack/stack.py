@@ -53,6 +53,7 @@ class Stack:
         self.members: list[Member] = []
         self.registry_url = ""
         self.router_url = ""
+        self.backend = cfg.transfer_backend
         self.http = httpx.Client(trust_env=False)
 
     # ---- start ---------------------------------------------------------------------------
@@ -66,6 +67,7 @@ class Stack:
             resolve_model(cfg.model)
         except (ValueError, RuntimeError, OSError) as exc:
             raise StackError(f"--model {cfg.model!r}: {exc}") from exc
+        self.backend = cfg.transfer_backend or self._default_backend()
         t0 = time.monotonic()
         self._start_registry(t0 + cfg.startup_timeout_s)
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
@@ -107,10 +109,19 @@ class Stack:
                "--registry", self.registry_url, "--node-id", name]
         if cfg.registry_token:
             cmd += ["--registry-token", cfg.registry_token]
-        if cfg.transfer_backend:
-            cmd += ["--transfer-backend", cfg.transfer_backend]
+        cmd += ["--transfer-backend", self.backend]
         cmd += shlex.split(cfg.node_args)
         return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
+
+    def _default_backend(self) -> str:
+        """Mooncake (DESIGN's default) where it loads; else say why and use tcp."""
+        from kv_transfer import mooncake_import_error
+
+        problem = mooncake_import_error()
+        if problem is None:
+            return "mooncake"
+        self.say(f"  mooncake is unavailable here ({problem}); using the tcp KV backend")
+        return "tcp"
 
     def _router(self, port: int) -> Member:
         cfg = self.cfg
@@ -173,9 +184,6 @@ class Stack:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     # ---- run -----------------------------------------------------------------------------
-    def member(self, name: str) -> Member:
-        return next(m for m in self.members if m.name == name)
-
     def dead_members(self) -> list[Member]:
         return [m for m in self.members if m.child.exited() is not None]
 

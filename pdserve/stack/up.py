@@ -19,10 +19,10 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def print_urls(stack: Stack, started: float) -> None:
+def print_urls(stack: Stack, started: float, who: str = "pdserve up") -> None:
     cfg = stack.cfg
-    say(f"pdserve up: {cfg.prefill}P{cfg.decode}D of {cfg.model} ready in "
-        f"{time.monotonic() - started:.1f}s")
+    say(f"{who}: {cfg.prefill}P{cfg.decode}D of {cfg.model} ({stack.backend} KV transfer) "
+        f"ready in {time.monotonic() - started:.1f}s")
     for name, url in stack.urls():
         say(f"  {name:<10} {url}")
     say("Ctrl-C or SIGTERM stops everything.")

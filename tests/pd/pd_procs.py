@@ -1,0 +1,250 @@
+"""Process-level PD machinery: a real registry and real `pdserve prefill|decode` nodes, each
+in its own session (so a kill of its process group reaches its scheduler process and never
+pytest), with helpers to send a request's two legs over HTTP and read /server_info."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 240  # several nodes start at once on a small machine
+_PORT_LINE = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process in its own session; `kill9()` SIGKILLs its whole process group."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: Path) -> None:
+        self.name, self.cmd = name, cmd
+        self.log_path = log_dir / f"{name}.log"
+        self.tmp_dir = log_dir / f"tmp-{name}"
+        self.proc: subprocess.Popen | None = None
+
+    def spawn(self) -> None:
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir),
+               "OMP_NUM_THREADS": "1"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self, tail: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-tail:]
+        except FileNotFoundError:
+            return ""
+
+    def kill9(self) -> None:
+        """SIGKILL the process and every process of its group (the scheduler child too)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20) -> None:
+        """Idempotent: SIGTERM, then SIGKILL of the group; nothing of it is left."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        self.kill9()  # the group: also a scheduler child a crash may have left behind
+
+
+class Registry(Proc):
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__("registry", [sys.executable, "-m", "bootstrap.cli", "--host",
+                                      "127.0.0.1", "--port", "0", "--log-level", "info"],
+                         log_dir)
+        self.url = ""
+
+    def start(self, timeout: float = 60) -> Registry:
+        self.spawn()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise RuntimeError(f"registry exited:\n{self.log()}")
+            if found := _PORT_LINE.findall(self.log_path.read_bytes()):
+                self.url = f"http://127.0.0.1:{int(found[-1])}"
+                if _get_ok(f"{self.url}/health"):
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"registry not up after {timeout}s:\n{self.log()}")
+
+    def node(self, node_id: str) -> dict | None:
+        r = httpx.get(f"{self.url}/v1/nodes/{node_id}", timeout=5)
+        return r.json() if r.status_code == 200 else None
+
+
+class Node(Proc):
+    """`pdserve prefill|decode --model M --registry URL --port P --transfer-backend B ...`"""
+
+    def __init__(self, role: str, backend: str, registry: Registry, log_dir: Path,
+                 model: str, flags: list[str]) -> None:
+        self.role, self.backend, self.registry = role, backend, registry
+        self.port = free_port()
+        self.node_id = f"{role}-{backend}-{self.port}"
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pdserve.cli", role, "--model", model,
+               "--registry", registry.url, "--port", str(self.port), "--node-id",
+               self.node_id, "--transfer-backend", backend, "--log-level", "warning", *flags]
+        super().__init__(self.node_id, cmd, log_dir)
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Node:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during "
+                                   f"start-up:\n{self.log()}")
+            if _get_ok(f"{self.url}/health") and self.registry.node(self.node_id):
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {timeout}s:\n{self.log()}")
+
+    def info(self) -> dict:
+        r = httpx.get(f"{self.url}/server_info", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def stats(self) -> dict:
+        return self.info()["stats"] or {}
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {'name{label="v"}': value} (Prometheus text format)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_pools_full(self, timeout: float = 10) -> dict:
+        """/server_info until KV pages, request slots and metadata slots are back to full and
+        no request is open (stats refresh every 0.25 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            s = info["stats"]
+            if s and s["pools_full"] and not info["open_requests"] and not s["running"] \
+                    and not s["waiting"] and not any(
+                        v for k, v in s["role"].items() if k.endswith("_queue")):
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: pools not back to full after {timeout}s: "
+                                     f"{json.dumps(info)[:3000]}")
+            time.sleep(0.1)
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- the two legs of a request ----------------------------------------------------------------
+
+
+@dataclass
+class LegResult:
+    status: int | None = None
+    body: dict | None = None
+    events: list = field(default_factory=list)
+    error: str | None = None  # transport error (connection reset, ...)
+    t_end: float = 0.0
+
+
+def post_leg(url: str, body: dict, timeout: float = 120) -> LegResult:
+    res = LegResult()
+    try:
+        if body.get("stream"):
+            with httpx.stream("POST", f"{url}/generate", json=body, timeout=timeout) as r:
+                res.status = r.status_code
+                if r.status_code != 200:
+                    r.read()
+                    res.body = r.json()
+                else:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            payload = line[len("data: "):]
+                            res.events.append(payload if payload == "[DONE]"
+                                              else json.loads(payload))
+        else:
+            r = httpx.post(f"{url}/generate", json=body, timeout=timeout)
+            res.status, res.body = r.status_code, r.json()
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.t_end = time.monotonic()
+    return res
+
+
+class PDRequest:
+    """Send one request's two legs concurrently, as the router does."""
+
+    def __init__(self, prefill: Node, decode: Node, input_ids: list[int], sampling: dict,
+                 stream: bool = False, room: int | None = None) -> None:
+        self.room = random.getrandbits(63) if room is None else room
+        base = {"input_ids": input_ids, "sampling_params": sampling,
+                "bootstrap_room": self.room}
+        self.bodies = {"prefill": (prefill.url, base),
+                       "decode": (decode.url, {**base, "prefill_node_id": prefill.node_id,
+                                               "stream": stream})}
+        self.results: dict[str, LegResult] = {}
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
+                         for k in self.bodies]
+
+    def _run(self, which: str) -> None:
+        url, body = self.bodies[which]
+        self.results[which] = post_leg(url, body)
+
+    def start(self) -> PDRequest:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def join(self, timeout: float = 120) -> PDRequest:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a leg did not return"
+        return self
+
+    @property
+    def prefill(self) -> LegResult:
+        return self.results["prefill"]
+
+    @property
+    def decode(self) -> LegResult:
+        return self.results["decode"]

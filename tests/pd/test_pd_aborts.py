@@ -1,0 +1,322 @@
+"""Aborts at every stage of a PD request, in process (DESIGN §2 step 5, §5): the prefill's
+bootstrap queue, its waiting queue, mid-chunk (with a chunk in flight under the overlap
+loop, and between chunks under the normal loop), while the KV is transferring, and while
+decoding. Each ends both legs with a clear error (a leg that already finished its part
+stays finished), quickly rather than by a timeout, and leaves every KV page, request slot
+and metadata slot of both engines back to full.
+
+Timeouts are short but far above the "fails fast" bound, so a leg that only fails because
+a timeout fired is caught. The one exception is a decode leg aborted before it told the
+prefill where to write: the prefill has not heard of it yet and ends its leg by its
+bootstrap timeout (asserted with that bound).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from pd_pair import (
+    BACKENDS,
+    PDCluster,
+    assert_failed,
+    colocated_greedy,
+    greedy,
+    random_prompt,
+)
+
+from kv_transfer import KVPoll
+
+MODEL = "tiny-llama"
+TRANSFER = {"bootstrap_timeout_s": 4.0, "transfer_timeout_s": 8.0,
+            "heartbeat_interval_s": 2.0, "heartbeat_misses": 2}
+FAST_S = 2.0  # an abort reaches the other leg well within this (every timeout is >= 4 s)
+SHORT = random_prompt(40, seed=1)
+LONG = random_prompt(600, seed=2)  # 10 chunks of 64
+N = 24
+OVERLAP, NORMAL = 0, 1  # prefill engines of the cluster
+
+_clusters: dict[str, PDCluster] = {}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> Iterator[str]:
+    yield request.param
+    if (c := _clusters.pop(request.param, None)) is not None:
+        c.close()
+
+
+@pytest.fixture
+def pd(backend) -> Iterator[PDCluster]:
+    """A 2P1D cluster (prefill 0 overlap, prefill 1 normal loop; both chunk 64, page 16),
+    reused by the tests of a backend; checked back to full after each test."""
+    if backend not in _clusters:
+        _clusters[backend] = PDCluster(
+            MODEL, backend,
+            prefills=[{"chunked_prefill_size": 64},
+                      {"chunked_prefill_size": 64, "disable_overlap": True}],
+            decodes=[{"max_running_requests": 8}], transfer=TRANSFER)
+    cluster = _clusters[backend]
+    cluster.reset_caches()  # every test starts cold: cache hits would change the timing
+    yield cluster
+    cluster.run(timeout=15)  # let whatever the test left settle, then it must be full
+    problems = cluster.problems()
+    if problems:
+        _clusters.pop(backend).close()  # do not hand a broken cluster to the next test
+    assert not problems, f"pools not back to full after the test: {problems}"
+
+
+def timed_run(pd: PDCluster, cond, timeout: float) -> float:
+    t0 = time.monotonic()
+    pd.run(timeout=timeout, until=cond)
+    return time.monotonic() - t0
+
+
+def done(engine, req) -> bool:
+    """The leg is over for its engine (reported; a prefill leg holds KV until then)."""
+    return req.finished and engine.requests.get(req.rid) is not req
+
+
+def check_normal_request_still_works(pd: PDCluster, p: int = OVERLAP) -> None:
+    legs = pd.generate([SHORT], greedy(8), p=p, timeout=20)
+    assert legs[0].output_ids == colocated_greedy(MODEL, [SHORT], 8)[0]
+
+
+# -- prefill bootstrap queue ----------------------------------------------------------------
+
+
+def test_abort_prefill_in_bootstrap_queue(pd):
+    pe, de = pd.prefills[OVERLAP], pd.decodes[0]
+    leg = pd.submit(SHORT, greedy(N))
+    pe.step()
+    assert leg.prefill in pe.role.bootstrap  # the decode has not pre-allocated yet
+    assert pe.abort(leg.rid)
+    pd.run(timeout=5, engines=[pe])
+    assert_failed(leg.prefill, "prefill leg")
+    assert leg.prefill.slot is None and leg.prefill.meta_slot is None
+    # The decode leg never got its pages from this room: it fails as soon as it asks.
+    free_before = de.memory_stats()["free_pages"]
+    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
+    assert_failed(leg.decode, "decode leg")
+    assert elapsed < FAST_S, f"decode leg failed after {elapsed:.2f}s: a timeout, not the abort"
+    pd.run(timeout=5)
+    assert de.memory_stats()["free_pages"] == free_before
+    pd.assert_pools_full()
+    check_normal_request_still_works(pd)
+
+
+def test_abort_decode_in_preallocation_fails_prefill_leg_within_bootstrap_timeout(pd):
+    pe, de = pd.prefills[OVERLAP], pd.decodes[0]
+    leg = pd.submit(SHORT, greedy(N))
+    assert de.abort(leg.rid)  # still in the pre-allocation queue: nothing allocated
+    assert leg.decode.finished and leg.decode.slot is None
+    pd.run(timeout=5, engines=[de])
+    assert_failed(leg.decode, "decode leg")
+    assert de.pools_full()  # nothing was allocated (or it was given back)
+    # The decode never told the prefill where to write; the prefill leg must not wait
+    # forever: it fails within its bootstrap timeout.
+    elapsed = timed_run(pd, lambda: done(pe, leg.prefill),
+                        TRANSFER["bootstrap_timeout_s"] + 4)
+    assert_failed(leg.prefill, "prefill leg")
+    assert elapsed < TRANSFER["bootstrap_timeout_s"] + 2
+    pd.assert_pools_full()
+
+
+# -- prefill waiting queue --------------------------------------------------------------------
+
+
+def test_abort_prefill_in_waiting_queue(pd):
+    pe, de = pd.prefills[OVERLAP], pd.decodes[0]
+    leg = pd.submit(LONG, greedy(N))
+    pd.run(timeout=5, until=lambda: leg.decode in de.role.transferring, engines=[de])
+    # Advance only the prefill role (not the scheduler) until the request has left the
+    # bootstrap queue: it is in the waiting queue, not admitted yet.
+    deadline = time.monotonic() + 5
+    while leg.prefill not in pe.sched.waiting:
+        assert time.monotonic() < deadline, pd.dump()
+        pe.role.poll()
+        time.sleep(0.001)
+    assert leg.prefill.slot is None and leg.prefill.meta_slot is not None
+    assert pe.abort(leg.rid)
+    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
+    assert_failed(leg.prefill, "prefill leg")
+    assert_failed(leg.decode, "decode leg")
+    assert "abort" in leg.decode.error, leg.decode.error
+    assert elapsed < FAST_S, f"decode leg failed after {elapsed:.2f}s"
+    pd.run(timeout=10)
+    assert leg.prefill.progress.sent_pages == 0
+    pd.assert_pools_full()
+
+
+# -- mid-chunk --------------------------------------------------------------------------------
+
+
+def _middle_chunk_in_flight(pe, req) -> bool:
+    return any(row.req is req and not row.future_id
+               for batch, _ in getattr(pe.loop, "results", ()) for row in batch.rows)
+
+
+def _spy_sends(req) -> list:
+    calls = []
+    real = req.sender.send
+
+    def send(pages, last=False, metadata=None):
+        calls.append((list(pages), last))
+        real(pages, last, metadata)
+
+    req.sender.send = send
+    return calls
+
+
+def test_abort_mid_chunk_with_a_chunk_in_flight(pd):
+    """Overlap loop, chunked prefill: abort right after a middle chunk was launched. Its
+    result is dropped (no send, KV released), no further chunk is scheduled, the counter
+    returns to zero, and the decode leg fails fast."""
+    pe = pd.prefills[OVERLAP]
+    leg = pd.submit(LONG, greedy(N), p=OVERLAP)
+    req = leg.prefill
+    # Run until a middle chunk is in flight after at least one chunk was already sent.
+    pd.run(timeout=20, until=lambda: req.progress.sent_pages >= 4
+           and _middle_chunk_in_flight(pe, req))
+    assert req.progress.inflight_middle_chunks >= 1
+    assert leg.decode.receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
+    sent_at_abort = req.progress.sent_pages
+    kv_len_at_abort = req.kv_len
+    calls = _spy_sends(req)
+    assert pe.abort(leg.rid)
+    assert req not in pe.sched.running  # no further chunk can be scheduled
+    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
+    assert_failed(leg.decode, "decode leg")
+    assert elapsed < FAST_S, f"decode leg failed after {elapsed:.2f}s"
+    pd.run(timeout=10)
+    assert_failed(leg.prefill, "prefill leg")
+    assert not calls, f"pages sent after the abort: {calls}"
+    assert req.progress.sent_pages == sent_at_abort
+    assert req.progress.inflight_middle_chunks == 0
+    assert req.kv_len == 0 and req.slot is None  # released (kv_len was {kv_len_at_abort})
+    assert kv_len_at_abort < len(LONG)
+    pd.assert_pools_full()
+    check_normal_request_still_works(pd)
+
+
+def test_abort_between_chunks_normal_loop(pd):
+    pe = pd.prefills[NORMAL]
+    leg = pd.submit(LONG, greedy(N), p=NORMAL)
+    req = leg.prefill
+    pd.run(timeout=20, until=lambda: req.progress.sent_pages >= 8)
+    assert not req.prefill_done and req.progress.inflight_middle_chunks == 0
+    calls = _spy_sends(req)
+    sent = req.progress.sent_pages
+    assert pe.abort(leg.rid)
+    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
+    assert_failed(leg.decode, "decode leg")
+    assert elapsed < FAST_S
+    pd.run(timeout=10)
+    assert_failed(leg.prefill, "prefill leg")
+    assert not calls and req.progress.sent_pages == sent
+    pd.assert_pools_full()
+    check_normal_request_still_works(pd, NORMAL)
+
+
+@pytest.mark.parametrize("p", [OVERLAP, NORMAL], ids=["overlap", "normal"])
+def test_abort_many_chunked_requests_at_different_points(pd, p):
+    """Several long requests prefilled together, request i aborted on its prefill once
+    64*i of its tokens were scheduled (i = 0: still in the bootstrap queue): every counter
+    ends at zero, every leg ends with an error, nothing is sent after an abort."""
+    pe = pd.prefills[p]
+    legs = [pd.submit(LONG[: 200 + 50 * i], greedy(N), p=p) for i in range(6)]
+    calls = {}
+    deadline = time.monotonic() + 20
+    while len(calls) < len(legs):
+        assert time.monotonic() < deadline, pd.dump()
+        pd.step()
+        for i, leg in enumerate(legs):
+            if leg.rid not in calls and leg.prefill.kv_len >= 64 * i:
+                calls[leg.rid] = _spy_sends(leg.prefill)
+                assert pe.abort(leg.rid), f"request {i} could not be aborted"
+    pd.run(timeout=20)
+    for leg in legs:
+        assert_failed(leg.prefill, "prefill leg")
+        assert_failed(leg.decode, "decode leg")
+        assert leg.prefill.progress.inflight_middle_chunks == 0
+        assert not calls[leg.rid], f"sent after the abort: {calls[leg.rid]}"
+    pd.assert_pools_full()
+
+
+# -- while transferring -------------------------------------------------------------------------
+
+
+def _hold_transfer_thread(pe):
+    """Block the prefill's transfer thread: sends queue up (Transferring) until release."""
+    gate = threading.Event()
+    pe.role.mgr.run_on_transfer_thread(lambda _backend: gate.wait(10))
+    return gate
+
+
+def test_abort_decode_while_transferring(pd):
+    pe, de = pd.prefills[NORMAL], pd.decodes[0]
+    gate = _hold_transfer_thread(pe)
+    try:
+        leg = pd.submit(LONG[:150], greedy(N), p=NORMAL)
+        pd.run(timeout=10, until=lambda: leg.prefill in pe.role.inflight)
+        assert leg.decode in de.role.transferring
+        assert leg.prefill.sender.poll() == KVPoll.Transferring
+        assert de.abort(leg.rid)
+    finally:
+        gate.set()
+    elapsed = timed_run(pd, lambda: done(pe, leg.prefill) and leg.decode.finished, FAST_S + 3)
+    assert elapsed < FAST_S
+    pd.run(timeout=10)
+    assert_failed(leg.decode, "decode leg")
+    assert leg.prefill.error, "prefill leg must report that its transfer was aborted"
+    pd.assert_pools_full()
+    check_normal_request_still_works(pd, NORMAL)
+
+
+def test_abort_prefill_while_transferring(pd):
+    """The prefill leg is aborted after its forward, while its KV is still in flight:
+    the transfer is stopped and both legs end with an error."""
+    pe = pd.prefills[NORMAL]
+    gate = _hold_transfer_thread(pe)
+    try:
+        leg = pd.submit(LONG[:150], greedy(N), p=NORMAL)
+        pd.run(timeout=10, until=lambda: leg.prefill in pe.role.inflight)
+        assert leg.prefill.sender.poll() == KVPoll.Transferring
+        pe.abort(leg.rid)
+    finally:
+        gate.set()
+    pd.run(timeout=10)
+    assert leg.prefill.error, "the aborted prefill leg finished without an error"
+    assert_failed(leg.decode, "decode leg")
+    pd.assert_pools_full()
+
+
+# -- while decoding -------------------------------------------------------------------------------
+
+
+def test_abort_while_decoding(pd):
+    de = pd.decodes[0]
+    leg = pd.submit(SHORT, greedy(64))
+    pd.run(timeout=10, until=lambda: len(leg.decode.output_ids) >= 4)
+    # the prefill leg has finished its part successfully (its KV arrived)
+    assert leg.prefill.finish_reason == "length" and leg.prefill.error is None
+    assert de.abort(leg.rid)
+    pd.run(timeout=10)
+    assert_failed(leg.decode, "decode leg")
+    assert leg.decode.finish_reason == "abort"
+    assert leg.prefill.error is None
+    out = leg.decode.output_ids
+    assert 4 <= len(out) < 64
+    assert out == colocated_greedy(MODEL, [SHORT], 64)[0][: len(out)]
+    pd.assert_pools_full()
+
+
+def test_abort_unknown_or_finished_request_is_a_no_op(pd):
+    assert not pd.prefills[0].abort("no-such-request")
+    assert not pd.decodes[0].abort("no-such-request")
+    legs = pd.generate([SHORT], greedy(4))
+    assert not pd.decodes[0].abort(legs[0].rid)
+    assert not pd.prefills[0].abort(legs[0].rid)
+    pd.assert_pools_full()

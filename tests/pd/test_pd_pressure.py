@@ -1,0 +1,90 @@
+"""A decode node under KV pressure (small pool, many long requests) queues requests in
+pre-allocation instead of failing them, and every request completes token-exact
+(DESIGN §2 step 2: back-pressure, never failure). With a small decode reservation the
+decode runs out of pages while decoding and retracts (then re-prefills locally)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from pd_pair import PDCluster, assert_ok, colocated_greedy, greedy, random_prompt
+
+MODEL = "tiny-llama"
+N = 40
+PROMPTS = [random_prompt(90 + 7 * i, seed=2000 + i) for i in range(14)]  # 90..181 tokens
+DECODE_POOL = 512  # tokens: room for about two of these requests at a time
+
+
+@pytest.mark.parametrize(("backend", "reserve"), [("mooncake", 64), ("tcp", 4)],
+                         ids=["mooncake-reserve64", "tcp-reserve4-retracts"])
+def test_decode_under_kv_pressure_queues_then_completes(backend, reserve):
+    cluster = PDCluster(
+        MODEL, backend, prefills=[{"page_size": 4, "chunked_prefill_size": 64}],
+        decodes=[{"page_size": 4, "max_total_tokens": DECODE_POOL,
+                  "decode_reserve_tokens": reserve, "chunked_prefill_size": 64}])
+    try:
+        de = cluster.decodes[0]
+        assert de.max_total_tokens == DECODE_POOL
+        legs = [cluster.submit(p, greedy(N)) for p in PROMPTS]
+        max_prealloc = max_admitted = 0
+        deadline = time.monotonic() + 120
+        while cluster.busy():
+            assert time.monotonic() < deadline, cluster.dump()
+            cluster.step()
+            max_prealloc = max(max_prealloc, len(de.role.prealloc))
+            admitted = len(de.role.transferring) + len(de.sched.running) + \
+                len(de.sched.waiting)
+            max_admitted = max(max_admitted, admitted)
+        for e in cluster.engines:
+            e.loop.drain()
+        want = colocated_greedy(MODEL, PROMPTS, N)
+        for leg, w in zip(legs, want, strict=True):
+            assert_ok(leg)
+            assert leg.output_ids == w, f"prompt of {len(leg.decode.prompt_ids)} tokens"
+        assert max_prealloc > 0, "no request ever waited in the pre-allocation queue"
+        assert max_admitted < len(PROMPTS)
+        if reserve < 16:
+            assert de.sched.num_retractions > 0, "expected the decode to retract"
+            assert any(leg.decode.retractions for leg in legs)
+        assert de.role.mgr.metrics()["rooms_failed"] == 0
+        cluster.assert_pools_full()
+    finally:
+        cluster.close()
+
+
+def test_prefill_under_kv_pressure_keeps_early_sent_pages_valid():
+    """A prefill with a tight pool: B's prefix is cached, its cached pages go out early, but
+    B cannot be admitted yet (R runs and needs the pool). Whatever the scheduler does with
+    B, pages it queued for sending must keep their content until the transfer read them:
+    R must not evict and overwrite them meanwhile. The prefill's transfer thread is held
+    (as when it is busy with other rooms) so that the transfer reads the pages late."""
+    cluster = PDCluster(
+        MODEL, "tcp",
+        prefills=[{"page_size": 16, "max_total_tokens": 640, "chunked_prefill_size": 64,
+                   "disable_overlap": True}],
+        decodes=[{"page_size": 16}])
+    gate = threading.Event()
+    try:
+        pe = cluster.prefills[0]
+        a = random_prompt(300, seed=2101)
+        cluster.generate([a], greedy(4))  # the prefill caches a's 18 whole pages
+        cluster.reset_caches("d")  # the decode must receive the prefix from the prefill
+        pe.role.mgr.run_on_transfer_thread(lambda _backend: gate.wait(30))
+        r = random_prompt(600, seed=2102)  # needs nearly the whole prefill pool
+        b = a[:288] + random_prompt(200, seed=2103)
+        leg_r, leg_b = cluster.submit(r, greedy(N)), cluster.submit(b, greedy(N))
+        cluster.run(timeout=20, until=lambda: leg_r.prefill in pe.role.inflight)
+        gate.set()
+        cluster.run(timeout=60)
+        want = colocated_greedy(MODEL, [r, b], N)
+        assert_ok(leg_r)
+        assert_ok(leg_b)
+        assert leg_r.output_ids == want[0]
+        assert leg_b.output_ids == want[1], \
+            "B's decode received KV pages that were overwritten after they were queued"
+        cluster.assert_pools_full()
+    finally:
+        gate.set()
+        cluster.close()
