@@ -105,6 +105,11 @@ class Offline:
     def greedy(self, prompt, max_new_tokens: int, **params):
         return self.generate([prompt], max_new_tokens=max_new_tokens, **params)[0]
 
+    def greedy_batch(self, prompts: list, max_new_tokens: list[int]):
+        """Greedy outputs of many prompts, run as one continuous batch."""
+        params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in max_new_tokens]
+        return self.llm.generate(prompts, params)
+
 
 @pytest.fixture(scope="session")
 def offline() -> Iterator[Offline]:

@@ -34,7 +34,7 @@ def _prompts(n: int) -> list[str]:
 def test_64_concurrent_streams_complete_with_offline_text(server, offline):
     prompts = _prompts(N_CONCURRENT)
     max_tokens = [8 + (i % 5) * 4 for i in range(N_CONCURRENT)]  # 8..24: staggered finishes
-    refs = [offline.greedy(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    refs = offline.greedy_batch(prompts, max_tokens)
     server.wait_pools_full()
 
     async def one(client: openai.AsyncOpenAI, i: int):

@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
-from server_harness import sse_events
+from server_harness import assert_error, sse_events
 
 PROMPT = "The quick brown fox"
 
@@ -104,3 +107,37 @@ def test_generate_rid_is_echoed(server):
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["id"] == "my-request-1"
     server.wait_pools_full()
+
+
+def test_duplicate_rid_is_400_and_leaves_the_original_request_alone(server, offline):
+    """A second request under the rid of one still running is refused (400); the running
+    one is unaffected: it streams to its end, with the offline engine's output."""
+    ids = offline.encode(PROMPT)
+    ref = offline.greedy(ids, 100, ignore_eos=True)
+    lines: list[str] = []
+    errors: list[BaseException] = []
+
+    def original() -> None:
+        body = {"rid": "taken", "input_ids": ids, "stream": True, "sampling_params": {
+            "max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
+        try:  # ~1-2 s of generation; a stalled stream hits the 20 s read timeout
+            with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=20) as r:
+                lines.extend(ln for ln in r.iter_lines() if ln.strip())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=original)
+    t.start()
+    deadline = time.monotonic() + 20
+    while len(lines) < 2 and not errors:
+        assert time.monotonic() < deadline, "the first request never started"
+        time.sleep(0.005)
+    dup = _post(server, {"rid": "taken", "text": "intruder",
+                         "sampling_params": {"max_new_tokens": 2}})
+    t.join(40)
+    assert_error(dup, 400, "duplicate")
+    assert not errors, errors
+    events = sse_events(lines)
+    assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2]
+    _check_result(events[-2], ref, len(ids))
+    server.wait_pools_full(open_requests=True)

@@ -177,7 +177,7 @@ def test_reusing_the_rid_of_a_timed_out_request_is_never_a_5xx(node):
     """/generate lets clients name requests. Once a request has got its 408 it is over for
     the client; a new request under the same rid must not receive the old one's abort
     (a 503), whatever the timing: it is served (or at most refused as a duplicate)."""
-    for i in range(8):
+    for i in range(6):  # the race is hit in ~1 of 10 tries here; clean code never fails
         rid = f"reused-{i}"
         old = httpx.post(f"{node.url}/generate", timeout=30, json={
             "rid": rid, "text": "x", "sampling_params": {"max_new_tokens": LONG,
@@ -199,12 +199,19 @@ def test_serves_after_timeouts(node, offline):
 
 # -- schemathesis --------------------------------------------------------------------------------
 def _fuzzable_schema(node: Server) -> dict:
-    """The node's own OpenAPI spec, with the served model name pinned and empty prompts
-    ruled out, so that most generated requests reach the engine instead of a 404/400."""
+    """The node's own OpenAPI spec, narrowed so that most generated requests reach the
+    engine instead of a 404/400 and stay cheap: the served model name pinned, no empty
+    prompt, /generate by `text` only and without the PD-leg fields (a colocated node
+    refuses those), and at most 32 new tokens."""
     spec = httpx.get(f"{node.url}/openapi.json", timeout=10).json()
     schemas = spec["components"]["schemas"]
+    few_tokens = {"type": "integer", "minimum": 1, "maximum": 32}
     for name in ("CompletionBody", "ChatBody"):
-        schemas[name]["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+        props = schemas[name]["properties"]
+        props["model"] = {"type": "string", "enum": [MODEL]}
+        props["max_tokens"] = few_tokens
+        props.pop("max_completion_tokens", None)
+        schemas[name]["required"] = sorted({*schemas[name].get("required", []), "max_tokens"})
     schemas["CompletionBody"]["properties"]["prompt"] = {"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 40000},
@@ -212,9 +219,12 @@ def _fuzzable_schema(node: Server) -> dict:
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
          "maxItems": 1}]}
     gen = schemas["GenerateBody"]
+    for field in ("input_ids", "bootstrap_room", "prefill_node_id"):
+        gen["properties"].pop(field)
     gen["properties"]["text"] = {"type": "string", "minLength": 1}
-    gen["properties"].pop("input_ids")  # exactly one of text/input_ids: keep text
-    gen["required"] = ["text"]
+    gen["required"] = ["text", "sampling_params"]
+    schemas["SamplingBody"]["properties"]["max_new_tokens"] = few_tokens
+    schemas["SamplingBody"]["required"] = ["max_new_tokens"]
     return spec
 
 
@@ -227,29 +237,35 @@ def test_schemathesis_finds_no_server_error(node, tmp_path):
     common = ["--checks", "not_a_server_error", "--workers", "1", "--seed", "20241129",
               "--generation-database", "none", "--request-timeout", "30", "--no-color",
               "--include-path-regex", ops]
-    runs = {  # the spec as served (mostly refusals), then the pinned one (reaches the engine)
-        "as-served": [f"{node.url}/openapi.json", "--max-examples", "8"],
-        "pinned": [str(tmp_path / "spec.json"), "--url", node.url, "--max-examples", "25"],
+    runs = {  # the spec as served (mostly refusals), then the narrowed one (reaches the
+        # engine; its boundary values are those of the first run, so fuzzing only)
+        "as-served": [f"{node.url}/openapi.json", "--max-examples", "6"],
+        "narrowed": [str(tmp_path / "spec.json"), "--url", node.url, "--max-examples", "25",
+                     "--phases", "fuzzing"],
     }
     statuses: collections.Counter = collections.Counter()
-    for name, args in runs.items():
+    failures = []
+    for name, args in runs.items():  # both run, so that one report shows all findings
         har = tmp_path / f"{name}.har"
         cmd = [SCHEMATHESIS, "run", *args, *common, "--report", "har",
                "--report-har-path", str(har)]
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150)
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"{name}:\n{out[-6000:]}\n--- node log ---\n" + \
-            node.log()[-4000:]
-        assert "Tested: 7" in out, out[-3000:]
-        for e in json.loads(har.read_text())["log"]["entries"]:
-            path = "/" + e["request"]["url"].split("/", 3)[3].split("?")[0]
-            statuses[(e["request"]["method"], path, e["response"]["status"])] += 1
+        if proc.returncode != 0 or "Tested: 7" not in out:
+            failures.append(f"--- schemathesis on the {name} spec ---\n{out[-5000:]}")
+        if har.exists():
+            for e in json.loads(har.read_text())["log"]["entries"]:
+                path = "/" + e["request"]["url"].split("/", 3)[3].split("?")[0]
+                statuses[(e["request"]["method"], path, e["response"]["status"])] += 1
+    if "Traceback" in node.log():
+        log = node.log()
+        failures.append("--- node log ---\n" + log[log.index("Traceback"):][:4000])
+    assert not failures, "\n".join(failures)
     assert not [k for k in statuses if k[2] >= 500], statuses
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         ok = sum(n for (m, p, s), n in statuses.items() if m == "POST" and p == path and
                  s == 200)
         assert ok >= 1, (path, statuses)  # the fuzzer got through to the engine
-    assert "Traceback" not in node.log(), node.log()[-6000:]
     assert httpx.get(f"{node.url}/health", timeout=10).status_code == 200
 
 
