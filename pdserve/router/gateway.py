@@ -28,7 +28,7 @@ class Gateway:
     def __init__(self, cfg: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
         self.cfg = cfg
         self.table = NodeTable(cfg, model=cfg.model)
-        self.watcher = RegistryWatcher(cfg, self.table)
+        self.watcher = RegistryWatcher(cfg, self.table, self._load_tokenizer_soon)
         self.admission = Admission(cfg.max_running_requests, cfg.max_queued_requests,
                                    cfg.queue_timeout_s)
         self.metrics = RouterMetrics()
@@ -43,6 +43,7 @@ class Gateway:
                                      self.metrics.retries.inc)
         self._tokenizer = tokenizer
         self._tokenizer_task: asyncio.Future | None = None
+        self._warm_task: asyncio.Future | None = None
         self._watch_task: asyncio.Task | None = None
 
     @property
@@ -72,7 +73,7 @@ class Gateway:
                 RouterTokenizer, self.table.model, self.cfg.model_cache_dir))
         try:
             self._tokenizer = await asyncio.shield(self._tokenizer_task)
-        except (OSError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # any loader failure: the model's files are unusable
             raise ApiError(503, f"cannot load the tokenizer of {self.table.model!r}: {exc}",
                            "no_tokenizer") from exc
         return self._tokenizer
@@ -92,14 +93,20 @@ class Gateway:
         paired = any(p.pairs_with(d) for p in prefill for d in decode)
         info = {"model": self.model_name, "prefill": len(prefill), "decode": len(decode),
                 "registry": "ok" if self.watcher.connected else self.watcher.last_error}
-        if self.table.model and self._tokenizer is None and self._tokenizer_task is None:
-            asyncio.ensure_future(self._warm_tokenizer())
         if self._tokenizer is None:
             return False, {**info, "reason": "the tokenizer is not loaded yet"}
         if not paired:
             return False, {**info, "reason": "no usable prefill/decode pair"}
         return True, info
 
+    def _load_tokenizer_soon(self) -> None:
+        """Once the model is known (from the first node), load its tokenizer in the
+        background rather than on the first request."""
+        if self.table.model and self._tokenizer is None and self._warm_task is None:
+            self._warm_task = asyncio.ensure_future(self._warm_tokenizer())
+
     async def _warm_tokenizer(self) -> None:
-        with contextlib.suppress(ApiError):
+        try:
             await self.tokenizer()
+        except ApiError as exc:
+            log.error("%s", exc.message)

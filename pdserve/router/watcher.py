@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryError
@@ -20,8 +21,9 @@ MIN_EARLY_READ_GAP_S = 0.2  # many requests finding no node trigger one read, no
 
 
 class RegistryWatcher:
-    def __init__(self, cfg: RouterConfig, table: NodeTable) -> None:
-        self.cfg, self.table = cfg, table
+    def __init__(self, cfg: RouterConfig, table: NodeTable,
+                 on_update: Callable[[], None] = lambda: None) -> None:
+        self.cfg, self.table, self.on_update = cfg, table, on_update
         # No client-side caching: the router's own poll interval is the cache.
         self.client = RegistryClient(cfg.registry, token=cfg.registry_token or None,
                                      timeout_s=2.0, cache_ttl_s=0.0, stale_ok_s=0.0)
@@ -61,6 +63,7 @@ class RegistryWatcher:
         self.last_error = ""
         self.last_read = time.monotonic()
         self.table.update(records)
+        self.on_update()
 
     def close(self) -> None:
         self.client.close()

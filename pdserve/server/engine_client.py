@@ -80,10 +80,10 @@ class EngineClient:
             raise ApiError(503, "the scheduler process is not running")
         handle = RequestHandle(req.rid)
         self.handles[req.rid] = handle
-        await self.push.send(m.encode(req))
         try:
+            await self.push.send(m.encode(req))
             await handle.accepted
-        except ApiError:
+        except BaseException:  # rejected, unencodable, or cancelled: never leak the handle
             self.handles.pop(req.rid, None)
             raise
         return handle

@@ -16,6 +16,8 @@ from pdserve.server.engine_client import EngineClient
 from pdserve.server.metrics import Metrics
 from pdserve.server.protocol import ApiError
 
+DISCONNECT_CHECK_S = 0.5
+
 
 @dataclass
 class Event:
@@ -34,6 +36,7 @@ class Frontend:
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.client_rids: set[str] = set()  # client-given rids of open requests
         self.leg_resolver = None  # decode nodes: resolves prefill_node_id (registration.py)
 
     async def resolve_extra(self, extra: dict) -> dict:
@@ -72,15 +75,33 @@ class Frontend:
                   extra: dict | None = None, disconnected=None) -> AsyncIterator[Event]:
         """Yield an Event per token update until finished. Raises ApiError (400/408/429/503).
         `disconnected` (an async callable) is polled for non-streaming requests."""
-        rid = rid or uuid.uuid4().hex
+        # The scheduler only ever sees an internal id: a client's rid is a label, and two
+        # requests must never share one routing key (late updates of an old one would leak).
+        if rid is not None and rid in self.client_rids:
+            raise ApiError(400, f"duplicate request id {rid!r}: a request with it is running")
+        internal = uuid.uuid4().hex
+        rid = rid or internal
         t0 = time.perf_counter()
         deadline = t0 + self.cfg.request_timeout_s
-        handle = await self.client.submit(m.GenerateRequest(rid, ids, sampling, extra or {}))
-        detok = IncrementalDetokenizer(self.tokenizer, sampling.get("stop"))
+        stop = sampling.get("stop")
+        self.client_rids.add(rid)
+        try:
+            handle = await self.client.submit(
+                m.GenerateRequest(internal, ids, sampling, extra or {}))
+        except BaseException:
+            self.client_rids.discard(rid)
+            raise
+        detok = IncrementalDetokenizer(self.tokenizer, [stop] if isinstance(stop, str) else stop)
         last, first, done = t0, None, False
+        next_check = t0 + DISCONNECT_CHECK_S
         try:
             while not done:
                 u = await self._next_update(handle, deadline, disconnected)
+                if disconnected is not None and time.perf_counter() >= next_check:
+                    # Updates may keep coming every step: check the client on a timer too.
+                    next_check = time.perf_counter() + DISCONNECT_CHECK_S
+                    if await disconnected():
+                        u = None
                 if u is None:  # client went away
                     return
                 if u.error:
@@ -98,9 +119,11 @@ class Frontend:
                 yield Event(rid, delta, detok.emitted, list(detok.ids), len(ids), u.cached_tokens,
                             u.finish_reason)
         finally:
-            if not done:
-                await self.client.abort(rid)
-            self.client.release(rid)
+            self.client_rids.discard(rid)
+            if not done:  # disconnect, timeout or error: still counted
+                self.metrics.requests.labels("abort").inc()
+                await self.client.abort(internal)
+            self.client.release(internal)
         self._observe_end(t0, first, len(ids), len(detok.ids), u.finish_reason)
 
     async def _next_update(self, handle, deadline: float, disconnected) -> m.TokenUpdate | None:
@@ -110,7 +133,8 @@ class Frontend:
                 raise ApiError(408, f"request timed out after {self.cfg.request_timeout_s:g}s",
                                "timeout")
             try:
-                return await asyncio.wait_for(handle.updates.get(), min(remaining, 0.5))
+                return await asyncio.wait_for(handle.updates.get(),
+                                              min(remaining, DISCONNECT_CHECK_S))
             except TimeoutError:
                 if disconnected is not None and await disconnected():
                     return None

@@ -78,6 +78,18 @@ def serve(cfg: ServerConfig) -> int:
             stop_process(proc)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM/SIGINT after a graceful shutdown, which would
+    kill us before the scheduler process is joined and the IPC folder removed. We already
+    shut down gracefully, so the signal has done its job: do not re-raise it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
 def _register(cfg, client, front):
     from pdserve.disagg.registration import PrefillPeerResolver, register_node
 
@@ -112,7 +124,7 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
 
     app = build_app(front, lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug"))
     log.info("serving %s (%s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)

@@ -6,9 +6,14 @@ live in `validate()` methods and raise `ApiError` with the OpenAI-shaped status.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Every integer that crosses to the scheduler must fit msgpack's 64-bit ints (and torch).
+I32 = 1 << 31
+Seed = Annotated[int, Field(ge=0, lt=1 << 63)]
+TokenId = Annotated[int, Field(ge=0, lt=I32)]
 
 
 class ApiError(Exception):
@@ -21,20 +26,20 @@ class SamplingBody(BaseModel):
     """/generate `sampling_params` (SGLang names)."""
 
     model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int = Field(128, gt=0)
+    max_new_tokens: int = Field(128, gt=0, lt=I32)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, lt=I32)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
 
 
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     stream: bool = False
     rid: str | None = Field(None, max_length=128)
@@ -54,13 +59,13 @@ class StreamOptions(BaseModel):
 class _OpenAICommon(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored
     model: str
-    max_tokens: int | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, gt=0, lt=I32)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, lt=I32)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
@@ -85,7 +90,7 @@ class _OpenAICommon(BaseModel):
 
 
 class CompletionBody(_OpenAICommon):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[TokenId] | list[str]
     echo: bool = False
 
     def prompt_input(self) -> str | list[int]:
@@ -116,4 +121,4 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0, lt=I32)
