@@ -55,7 +55,8 @@ class PrefillPeerResolver:
             raise ApiError(400, "a decode node needs `prefill_node_id` and `bootstrap_room`")
         node = await asyncio.to_thread(self.client.get_node, node_id)
         if node is None or node.role != "prefill":
-            raise ApiError(400, f"no live prefill node {node_id!r} in the registry")
+            raise ApiError(503, f"no live prefill node {node_id!r} in the registry",
+                           "prefill_node_unavailable")
         peer = node.model_dump(mode="json")
         for name in self.FIELDS:
             if peer.get(name) != self.me.get(name):

@@ -64,7 +64,8 @@ def summary(row: dict, legs: dict[str, int], cfg: DemoConfig) -> str:
                      f"p50 {ms(f'median_{metric}_ms'):>6}   p90 {ms(f'p90_{metric}_ms'):>6}"
                      f"   p99 {ms(f'p99_{metric}_ms'):>6}")
     if legs:
-        lines.append("  requests per node: " + ", ".join(f"{k} {v}" for k, v in legs.items()))
+        lines.append("  requests per node (warm-up included): "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(legs.items())))
     return "\n".join(lines)
 
 

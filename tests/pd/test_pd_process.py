@@ -123,22 +123,24 @@ def test_http_round_trip(stack, backend):
     assert dm["pdserve_kv_transfer_latency_seconds_count"] >= len(reqs)
 
 
-def test_bad_legs_are_refused_with_a_clear_400(stack):
+def test_bad_legs_are_refused_with_a_clear_error(stack):
     prefill, decode = stack.node("prefill", "tcp"), stack.node("decode", "tcp")
     other = stack.node("prefill", "mooncake")
     base = {"input_ids": random_prompt(20, seed=3100), "sampling_params": GREEDY,
             "bootstrap_room": 12345}
     cases = [
-        (decode, {**base}, "prefill_node_id"),
-        (decode, {**base, "prefill_node_id": "no-such-node"}, "no live prefill node"),
-        (decode, {**base, "prefill_node_id": decode.node_id}, "no live prefill node"),
-        (decode, {**base, "prefill_node_id": other.node_id}, "transfer_backend"),
-        (prefill, {k: v for k, v in base.items() if k != "bootstrap_room"}, "bootstrap_room"),
-        (prefill, {**base, "bootstrap_room": -1}, "bootstrap_room"),
+        (decode, {**base}, "prefill_node_id", 400),
+        # A prefill node that is not (or no longer) live: 503, so the router retries.
+        (decode, {**base, "prefill_node_id": "no-such-node"}, "no live prefill node", 503),
+        (decode, {**base, "prefill_node_id": decode.node_id}, "no live prefill node", 503),
+        (decode, {**base, "prefill_node_id": other.node_id}, "transfer_backend", 400),
+        (prefill, {k: v for k, v in base.items() if k != "bootstrap_room"}, "bootstrap_room",
+         400),
+        (prefill, {**base, "bootstrap_room": -1}, "bootstrap_room", 400),
     ]
-    for node, body, needle in cases:
+    for node, body, needle, status in cases:
         r = httpx.post(f"{node.url}/generate", json=body, timeout=30)
-        assert r.status_code == 400, (node.name, body.keys(), r.status_code, r.text)
+        assert r.status_code == status, (node.name, body.keys(), r.status_code, r.text)
         err = r.json()["error"]
         assert needle.lower() in err["message"].lower(), (needle, err)
     decode.wait_pools_full()

@@ -1,0 +1,208 @@
+"""Faults and cluster changes under the running stack, with PD nodes started into its
+registry by the node launcher: a node that joins is used without a restart; kill -9 of a
+decode node ends its streams with an error and new requests go elsewhere; kill -9 of a
+prefill node mid-request gives the client an error at once and the decode nodes free
+everything; a client that goes away cancels both legs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+from router_harness import (
+    MODEL,
+    free_port,
+    generated_tokens,
+    legs_metric,
+    legs_ok,
+    router_nodes,
+    wait_pools_full,
+    wait_until,
+)
+
+from bootstrap.client import RegistryClient
+
+TTL = "3"  # launched nodes' registry TTL: a killed one leaves the registry within seconds
+ERROR_BOUND_S = 10  # a client hears of a dead node within this
+
+
+def _body(ids: list[int], max_new: int, stream: bool = True) -> dict:
+    return {"input_ids": ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                "ignore_eos": True}}
+
+
+async def _stream(client: httpx.AsyncClient, router: str, body: dict, started: list) -> dict:
+    """One /generate stream: which nodes served it, how it ended and when."""
+    async with client.stream("POST", f"{router}/generate", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return {"status": resp.status_code, "error": resp.json()["error"]["message"],
+                    "at": time.monotonic()}
+        res = {"status": 200, "decode": resp.headers["x-pdserve-decode-node"],
+               "prefill": resp.headers["x-pdserve-prefill-node"], "ids": 0, "error": None}
+        started.append(res)
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                res["error"] = event["error"]["message"]
+                break
+            res["ids"] = len(event["output_ids"])
+        res["at"] = time.monotonic()
+        return res
+
+
+def _short_requests(router: str, n: int) -> list[httpx.Response]:
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(c.post(f"{router}/v1/completions", json={
+                "model": MODEL, "prompt": f"short {i}", "max_tokens": 4, "temperature": 0})
+                for i in range(n)))
+
+    return asyncio.run(run())
+
+
+def _seen_by_router(router: str, node_id: str, present: bool = True) -> None:
+    wait_until(lambda: (node_id in router_nodes(router)) == present, 10,
+               f"router to {'see' if present else 'drop'} {node_id}")
+
+
+def test_client_disconnect_cancels_both_legs(stack, router: str):
+    decodes = [stack.urls["decode-0"], stack.urls["decode-1"]]
+    before = sum(generated_tokens(u) for u in decodes)
+    long = 1500
+    with httpx.stream("POST", f"{router}/v1/completions", json={
+            "model": MODEL, "prompt": "Tell me a long story", "max_tokens": long,
+            "ignore_eos": True, "stream": True, "temperature": 0}, timeout=60) as resp:
+        assert resp.status_code == 200
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 6:
+                break
+    closed = time.monotonic()
+    for url in [*decodes, stack.urls["prefill-0"]]:
+        wait_pools_full(url, timeout_s=20)
+    freed_after = time.monotonic() - closed
+    generated = sum(generated_tokens(u) for u in decodes) - before
+    assert generated < long // 2 and freed_after < 10, (generated, freed_after)
+
+
+@pytest.fixture(scope="module")
+def late(launch_nodes, router: str) -> dict:
+    """A decode and a prefill node started after the router (side by side, to save time)."""
+    nodes = launch_nodes(("decode", "decode-late", "--registry-ttl-s", TTL),
+                         ("prefill", "prefill-late", "--registry-ttl-s", TTL))
+    for node_id in nodes:
+        _seen_by_router(router, node_id)
+    return nodes
+
+
+def test_nodes_started_after_the_router_are_used(router: str, late):
+    before = legs_ok(router)
+    responses = _short_requests(router, 12)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    after = legs_ok(router)
+    assert after["decode-late"] - before.get("decode-late", 0) >= 2, after
+    _prefix_for(router, "prefill-late")  # some prompts' prefixes now go to the new prefill
+
+
+def test_kill9_decode_node(stack, router: str, late):
+    n, long = 6, 400
+    started: list[dict] = []
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(_stream(client, router, _body([7 + i] * 20, long),
+                                                 started)) for i in range(n)]
+            while len(started) < n:  # every stream has its first token
+                await asyncio.sleep(0.05)
+            late["decode-late"].kill9()
+            return time.monotonic(), await asyncio.gather(*tasks)
+
+    killed_at, results = asyncio.run(run())
+    on_late = [r for r in results if r["decode"] == "decode-late"]
+    elsewhere = [r for r in results if r["decode"] != "decode-late"]
+    assert on_late and elsewhere, results  # the router spread the six over three nodes
+    for r in on_late:
+        assert r["error"] and "decode-late" in r["error"], r
+        assert r["at"] - killed_at < ERROR_BOUND_S, r
+    for r in elsewhere:
+        assert r["error"] is None and r["ids"] == long, r
+    # New requests go to the live decode nodes only (the dead one is still registered
+    # until its TTL runs out: the breaker keeps requests away meanwhile).
+    before = legs_metric(router, "decode-late")
+    responses = _short_requests(router, 12)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert legs_metric(router, "decode-late") == before
+    for url in (stack.urls["prefill-0"], late["prefill-late"].url):
+        wait_pools_full(url)
+    _seen_by_router(router, "decode-late", present=False)  # its record expired
+
+
+def _prefix_for(router: str, node_id: str) -> list[int]:
+    """Leading pages that the router's prefix affinity sends to `node_id`."""
+    for k in range(64):
+        prefix = [200 + k] * 32
+        r = httpx.post(f"{router}/generate", json=_body(prefix + [5], 1, stream=False),
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        if r.headers["x-pdserve-prefill-node"] == node_id:
+            return prefix
+    raise AssertionError(f"no prefix maps to {node_id}")
+
+
+def test_kill9_prefill_node_mid_request(stack, router: str, late):
+    node = late["prefill-late"]
+    prefix = _prefix_for(router, "prefill-late")
+    rng = random.Random(0)
+    n, prompt_len = 24, 1500
+    bodies = [_body(prefix + [rng.randrange(300, 40000) for _ in range(prompt_len)], 8)
+              for _ in range(n)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(_stream(client, router, b, [])) for b in bodies]
+            while router_nodes(router)["prefill-late"]["inflight"] < 3:
+                await asyncio.sleep(0.02)
+            node.kill9()
+            return time.monotonic(), await asyncio.gather(*tasks)
+
+    killed_at, results = asyncio.run(run())
+    failed = [r for r in results if r["error"]]
+    assert failed, results
+    for r in failed:
+        assert "prefill-late" in r["error"], r
+        assert r["at"] - killed_at < ERROR_BOUND_S, r
+    assert all(r["ids"] == 8 for r in results if not r["error"]), results
+    for name in ("decode-0", "decode-1"):
+        wait_pools_full(stack.urls[name], timeout_s=30)
+    before = legs_metric(router, "prefill-late")
+    responses = _short_requests(router, 6)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert legs_metric(router, "prefill-late") == before
+
+
+def test_unreachable_node_is_retried_elsewhere(stack, router: str):
+    """A registered decode node that nothing answers for (a crash the registry has not
+    noticed yet): requests sent its way are re-sent to another pair before any output,
+    the client never sees it, and the node's breaker opens."""
+    ghost = httpx.get(f"{stack.registry}/v1/nodes/decode-0", timeout=5).json()
+    ghost.update(node_id="decode-ghost", instance_id="ghost-1", ttl_s=60,
+                 http_url=f"http://127.0.0.1:{free_port()}")
+    registry = RegistryClient(stack.registry)
+    registry.put_record(ghost)
+    try:
+        _seen_by_router(router, "decode-ghost")
+        responses = _short_requests(router, 9)  # 3 each by in-flight count: the ghost too
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        assert legs_metric(router, "decode-ghost", "unreachable") >= 1
+        assert router_nodes(router)["decode-ghost"]["breaker"] == "open"
+        assert legs_metric(router, "decode-ghost") == 0
+    finally:
+        registry.delete_record("decode-ghost")
+        registry.close()

@@ -1,0 +1,71 @@
+"""`pdserve up` and `pdserve demo` as processes: SIGTERM stops every child of `up` (this
+ends the session's shared stack, so it runs after the router tests), `demo` runs its load
+test and leaves nothing behind, and a taken --port is a clear error before anything
+starts."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import time
+
+from router_harness import BACKEND, REPO, Up, group_alive, pdserve
+
+from pdserve.cli import build_parser
+from pdserve.stack.config import DemoConfig, StackConfig
+
+
+def test_up_sigterm_stops_every_process(stack: Up):
+    assert stack.pids.keys() == {"router", "registry", "prefill-0", "decode-0", "decode-1"}
+    t0 = time.monotonic()
+    assert stack.terminate() == 0, stack.output()[-3000:]
+    assert time.monotonic() - t0 < 40
+    assert not stack.leftovers(), (stack.leftovers(), stack.child_logs())
+    out = stack.output()
+    assert "SIGTERM, stopping" in out and "pdserve up: stopped" in out, out[-2000:]
+    assert "had to kill" not in out, out[-2000:]
+
+
+def test_demo_runs_a_load_test_and_leaves_nothing_behind(tmp_path):
+    cmd = pdserve("demo", "--model", "tiny-llama", "--num-prompts", "8", "--request-rate",
+                  "16", "--input-len", "48", "--output-len", "8", "--transfer-backend", BACKEND,
+                  "--log-dir", str(tmp_path / "logs"))
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    text = out.stdout
+    assert out.returncode == 0, (text[-4000:], out.stderr[-4000:])
+    assert "8/8 requests ok" in text, text[-3000:]
+    assert re.search(r"TTFT ms\s+mean\s+\d+", text) and re.search(r"TPOT ms\s+mean\s+\d+",
+                                                                    text), text[-3000:]
+    assert "pdserve demo: stopped" in text
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
+    assert len(pids) == 4, text
+    assert not any(group_alive(p) for p in pids)
+
+
+def test_up_refuses_a_taken_port(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        out = subprocess.run(pdserve("up", "--model", "tiny-llama", "--port", str(port),
+                                     "--log-dir", str(tmp_path)),
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    assert f"port {port}" in out.stderr and "already in use" in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 30
+    assert not list(tmp_path.glob("*.log"))  # nothing was started
+
+
+def test_every_stack_field_is_a_flag():
+    from dataclasses import fields
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for command, classes in (("up", [StackConfig]), ("demo", [StackConfig, DemoConfig])):
+        flags = {o for a in sub[command]._actions for o in a.option_strings}
+        for cls in classes:
+            for f in fields(cls):
+                if f.name != "stack":
+                    assert "--" + f.name.replace("_", "-") in flags, (command, f.name)
