@@ -8,10 +8,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 
 import uvicorn
 
+from pdserve.ports import check_port_free
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.gateway import Gateway
@@ -20,16 +20,6 @@ from pdserve.server.body_limit import BodyLimitMiddleware
 
 log = logging.getLogger("pdserve.router")
 GRACEFUL_S = 10
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fail before loading anything when another process holds the port."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
 def _exit_cleanly(_signum, _frame) -> None:

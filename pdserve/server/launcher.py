@@ -13,12 +13,12 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 
 import uvicorn
 import zmq.asyncio
 
+from pdserve.ports import check_port_free
 from pdserve.server.api import build_app
 from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.config import ServerConfig
@@ -30,15 +30,6 @@ from pdserve.server.scheduler_process import run_scheduler
 log = logging.getLogger("pdserve.server")
 GRACEFUL_S = 10
 STARTUP_TIMEOUT_S = 900  # first start may convert SmolLM2 from GGUF
-
-
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
 def start_scheduler(cfg: ServerConfig, ipc_dir: str) -> tuple[mp.Process, str, str]:
