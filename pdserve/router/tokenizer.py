@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
-from pdserve.server.protocol import ApiError
+from pdserve.server.protocol import ApiError, chat_prompt_ids
 
 log = logging.getLogger("pdserve.router")
 FALLBACK_CONTEXT = 2048  # a config.json without max_position_embeddings
@@ -37,14 +37,7 @@ class RouterTokenizer:
         return ids
 
     def chat(self, messages: list[dict]) -> list[int]:
-        try:
-            ids = self.tok.apply_chat_template(messages, tokenize=True,
-                                               add_generation_prompt=True)
-        except Exception as exc:  # template errors are the client's messages' fault
-            raise ApiError(400, f"cannot apply the chat template: {exc}") from exc
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        ids = list(ids)
+        ids = chat_prompt_ids(self.tok, messages)
         self.check(ids)
         return ids
 

@@ -13,7 +13,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.server.frontend import Frontend
 from pdserve.server.openai_format import chat_stream, completion_stream, final_response
-from pdserve.server.protocol import ApiError, ChatBody, CompletionBody, GenerateBody
+from pdserve.server.protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    GenerateBody,
+    chat_prompt_ids,
+)
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
                413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
@@ -104,15 +110,9 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
     async def chat(body: ChatBody, request: Request):
         body.check_common(model)
         msgs = [{"role": x.role, "content": x.text()} for x in body.messages]
-        try:
-            ids = front.tokenizer.apply_chat_template(msgs, tokenize=True,
-                                                      add_generation_prompt=True)
-        except Exception as exc:  # template errors are the client's messages' fault
-            raise ApiError(400, f"cannot apply the chat template: {exc}") from exc
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        front.check_ids(list(ids))
-        return await _openai(body, list(ids), request, "chat.completion")
+        ids = chat_prompt_ids(front.tokenizer, msgs)
+        front.check_ids(ids)
+        return await _openai(body, ids, request, "chat.completion")
 
     async def _openai(body, ids: list[int], request: Request, kind: str):
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens

@@ -119,6 +119,18 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the model's chat template, ready for an answer.
+    Template errors come from the client's messages, so they are a 400."""
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    except Exception as exc:
+        raise ApiError(400, f"cannot apply the chat template: {exc}") from exc
+    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class ChatBody(_OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0, lt=I32)
