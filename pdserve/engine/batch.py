@@ -43,7 +43,7 @@ class Batch:
         return sum(r.q_len for r in self.rows)
 
 
-def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing) -> None:
+def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_size: int) -> None:
     """Fill `batch.packed` from the rows (scheduler thread). `table` is req->token slots."""
     rows = batch.rows
     q_lens = [r.q_len for r in rows]
@@ -63,7 +63,8 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing) -> None:
         if r.future_id:
             logit_rows.append(cursor - 1)
     slot_idx = torch.tensor([r.req.slot for r in rows], dtype=torch.int64)
-    kv_indices = table[slot_idx, :lk]
+    # Slot of position i is page(i // ps) * ps + i % ps: every ps-th slot names a page.
+    kv_pages = table[slot_idx, : -(-lk // page_size) * page_size : page_size] // page_size
     positions = torch.tensor(pos, dtype=torch.int64)
     out_cache_loc = table[slot_idx.repeat_interleave(torch.tensor(q_lens)), positions]
     sampled = batch.sampled_rows
@@ -72,7 +73,7 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing) -> None:
         "input_ids": torch.tensor(ids, dtype=torch.int64),
         "positions": positions,
         "out_cache_loc": out_cache_loc,
-        "kv_indices": kv_indices,
+        "kv_pages": kv_pages,
         "q_pos": q_pos,
         "q_index": torch.tensor(q_index, dtype=torch.int64),
         "logit_rows": torch.tensor(logit_rows, dtype=torch.int64),

@@ -25,13 +25,16 @@ class ModelRunner:
         """Forward + sample; returns sampled token ids [R] on the device."""
         t = batch.packed.to_device(self.device)
         b, lq = t["q_pos"].shape
-        lk = t["kv_indices"].shape[1]
+        ps = self.kv_pool.page_size
+        lk = t["kv_pages"].shape[1] * ps
         key_pos = torch.arange(lk, device=self.device)
-        # [B, 1, Lq, Lk]: causal within the row; padded query rows see key 0 only (no NaN).
+        # [B, 1, Lq, Lk]: causal within the row, which also hides the padding after each
+        # row's context; padded query rows see key 0 only (no NaN).
         mask = (key_pos.view(1, 1, lk) <= t["q_pos"].view(b, lq, 1)).unsqueeze(1)
+        uniform = t["input_ids"].shape[0] == b * lq
         meta = AttnMeta(
-            out_cache_loc=t["out_cache_loc"], kv_indices=t["kv_indices"], mask=mask,
-            q_index=None if lq == 1 else t["q_index"], batch=b, max_q=lq,
+            out_cache_loc=t["out_cache_loc"], kv_pages=t["kv_pages"], mask=mask,
+            q_index=None if uniform else t["q_index"], batch=b, max_q=lq, page_size=ps,
         )
         input_ids = self.future_map.resolve(t["input_ids"])
         if t["logit_rows"].numel() == 0:  # a middle chunk only: nothing to sample

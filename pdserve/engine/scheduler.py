@@ -72,7 +72,7 @@ class Scheduler:
     def _launchable(self, kind: str, rows: list[Row]) -> Batch:
         self.seq += 1
         batch = Batch(self.seq, kind, tuple(rows))
-        pack_batch(batch, self.kv.req_pool.table, self.staging)
+        pack_batch(batch, self.kv.req_pool.table, self.staging, self.kv.page_size)
         if kind == "extend":
             self.role.on_extend_scheduled(batch)
         return batch

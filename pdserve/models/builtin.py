@@ -7,12 +7,17 @@ Both land in the user cache so later starts read a plain safetensors folder.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from pathlib import Path
 
 from pdserve.models import smollm2, tiny
 
 BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2")
+# Written into each built folder's `.complete`; a folder built by an older converter
+# (another version) is rebuilt. smollm2 v2: float32 tensors (v1 rounded them to bf16).
+BUILD_VERSION = {"smollm2-135m": "2", "tiny-llama": "1", "tiny-qwen2": "1"}
 
 
 def cache_root(explicit: str = "") -> Path:
@@ -35,7 +40,7 @@ def resolve_model(name: str, cache_dir: str = "") -> Path:
         )
     root = cache_root(cache_dir)
     target = root / name
-    if (target / ".complete").exists():
+    if _built_version(target) == BUILD_VERSION[name]:
         return target
     root.mkdir(parents=True, exist_ok=True)
     # Build into a temp folder and rename, so a crash never leaves a half-written model.
@@ -44,10 +49,25 @@ def resolve_model(name: str, cache_dir: str = "") -> Path:
         smollm2.convert(tmp)
     else:
         tiny.generate(name, tmp, tokenizer_dir=resolve_model("smollm2-135m", cache_dir))
-    (tmp / ".complete").write_text("ok\n")
+    (tmp / ".complete").write_text(f"{BUILD_VERSION[name]}\n")
+    if target.exists():  # an outdated build: move it aside, then drop it
+        old = root / f".{name}.old{os.getpid()}"
+        with contextlib.suppress(OSError):
+            target.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
     try:
         tmp.rename(target)
     except OSError:  # another process finished first
-        if not (target / ".complete").exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _built_version(target) != BUILD_VERSION[name]:
             raise
     return target
+
+
+def _built_version(folder: Path) -> str | None:
+    """Version a finished build wrote (None: absent or half-written). v1 wrote "ok"."""
+    marker = folder / ".complete"
+    if not marker.exists():
+        return None
+    text = marker.read_text().strip()
+    return "1" if text == "ok" else text

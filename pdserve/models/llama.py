@@ -1,13 +1,18 @@
 """Our Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with qk-norm).
 
-Parameter names mirror the HF checkpoints, so safetensors load without renaming.
-Attention reads and writes the paged KV pool (DESIGN §3): the new tokens' K/V are
-scattered into their slots, then each request's whole context is gathered by slot
-index and fed to torch SDPA with a padded [B, Lq, Lk] mask. The index tensors are built
-once per forward (`AttnMeta`) and shared by every layer.
+Parameter names mirror the HF checkpoints except two fused projections: q/k/v become
+one `qkv_proj` and gate/up one `gate_up_proj` (`fuse_hf_weights` concatenates them at
+load), so a layer runs 4 matmuls instead of 7: fewer, larger GEMMs are what a CPU (and
+a GPU at small batch) runs efficiently.
+
+Attention reads and writes the paged KV pool (docs/architecture.md, "Memory"): the new
+tokens' K/V are copied into their slots, then each request's context is gathered *by
+page* (one contiguous `page_size x Hkv x D` block per page, not one row per token) and
+fed to torch SDPA with a padded [B, 1, Lq, Lk] mask. The index tensors are built once per
+forward (`AttnMeta`) and shared by every layer.
 
 Shapes: T = new tokens in the batch, B = requests, Lq = longest new-token run,
-Lk = longest context, H / Hkv = query / KV heads, D = head dim.
+Lk = gathered context (pages x page_size), H / Hkv = query / KV heads, D = head dim.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ class AttnMeta:
     """Per-forward attention indices, on the model's device."""
 
     out_cache_loc: torch.Tensor  # [T] pool slot of each new token
-    kv_indices: torch.Tensor  # [B, Lk] pool slot of each context token (padded with 0)
-    mask: torch.Tensor  # [B, 1, Lq, Lk] bool, True = may attend
-    q_index: torch.Tensor | None  # [T] flat position in the padded [B*Lq] layout; None if Lq==1
+    kv_pages: torch.Tensor  # [B, P] pool page of each context page (padded with page 0)
+    mask: torch.Tensor  # [B, 1, Lq, P * page_size] bool, True = may attend
+    q_index: torch.Tensor | None  # [T] flat position in the padded [B*Lq] layout; None when
+    # every row has Lq new tokens (decode, or one prompt), so [T] already is [B*Lq]
     batch: int
     max_q: int
+    page_size: int
 
 
 class RMSNorm(nn.Module):
@@ -65,9 +72,7 @@ class Attention(nn.Module):
         bias = attn_bias or cfg.model_type == "qwen2"  # Qwen2: q/k/v always biased
         h = cfg.hidden_size
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(h, qd, bias=bias)
-        self.k_proj = nn.Linear(h, kd, bias=bias)
-        self.v_proj = nn.Linear(h, kd, bias=bias)
+        self.qkv_proj = nn.Linear(h, qd + 2 * kd, bias=bias)  # rows: q, then k, then v
         self.o_proj = nn.Linear(qd, h, bias=attn_bias and cfg.model_type != "qwen2")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
@@ -76,53 +81,62 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, meta: AttnMeta, kv_pool) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
+        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
+        q, k = qk[:, :h], qk[:, h:]
         k_buf, v_buf = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
-        k_buf[meta.out_cache_loc] = k
-        v_buf[meta.out_cache_loc] = v
-        keys = k_buf[meta.kv_indices].transpose(1, 2)  # [B, Hkv, Lk, D]
-        values = v_buf[meta.kv_indices].transpose(1, 2)
+        k_buf.index_copy_(0, meta.out_cache_loc, k)
+        v_buf.index_copy_(0, meta.out_cache_loc, v)
+        keys, values = _gather_pages(k_buf, meta), _gather_pages(v_buf, meta)
         b, lq = meta.batch, meta.max_q
         if meta.q_index is None:
-            qp = q.view(b, 1, self.num_heads, self.head_dim)
+            qp = q.reshape(b, lq, h, d)
         else:
-            qp = q.new_zeros(b * lq, self.num_heads, self.head_dim)
+            qp = q.new_zeros(b * lq, h, d)
             qp[meta.q_index] = q
-            qp = qp.view(b, lq, self.num_heads, self.head_dim)
+            qp = qp.view(b, lq, h, d)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            enable_gqa=h != hkv,
         )  # [B, H, Lq, D]
-        out = out.transpose(1, 2).reshape(b * lq, self.num_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(b * lq, h * d)
         if meta.q_index is not None:
             out = out[meta.q_index]
         return self.o_proj(out)
 
 
+def _gather_pages(buf: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """[slots, Hkv, D] pool buffer -> [B, Hkv, P*page_size, D] context of each row.
+    Indexing whole pages copies page-sized contiguous blocks instead of single rows."""
+    b, pages = meta.kv_pages.shape
+    hkv, d = buf.shape[1:]
+    paged = buf.view(-1, meta.page_size, hkv, d)
+    return paged[meta.kv_pages].view(b, pages * meta.page_size, hkv, d).transpose(1, 2)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D] (halves duplicated, HF's rotate_half layout)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """x: [T, heads, D]; cos: [T, D]; sin: [T, D] with its first half negated (see
+    `RotaryEmbedding`), so HF's `x*cos + rotate_half(x)*sin` is one swap of halves."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + swapped * sin.unsqueeze(1)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)  # gate; up
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
 
 
 class DecoderLayer(nn.Module):

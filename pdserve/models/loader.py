@@ -69,13 +69,31 @@ def eos_ids(path: Path, cfg) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
 
+FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def fuse_hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF checkpoint names -> ours: q/k/v and gate/up weights (and biases) concatenated
+    along the output dim into `qkv_proj` / `gate_up_proj` (see `pdserve.models.llama`)."""
+    out = dict(state)
+    for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
+        for fused, parts in FUSED:
+            if f".{parts[0]}." not in key:
+                continue
+            names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+            if all(n in out for n in names):
+                out[key.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat(
+                    [out.pop(n) for n in names], dim=0)
+    return out
+
+
 def load_model(name: str, dtype: str, device: torch.device, cache_dir: str = "") -> LoadedModel:
     path = resolve_model(name, cache_dir)
     cfg = load_hf_config(path)
     torch_dtype = pick_dtype(dtype, cfg, device)
     model = CausalLM(cfg)
     state = _read_weights(path)
-    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    state = fuse_hf_weights({k: v for k, v in state.items() if "rotary_emb" not in k})
     if model.tie:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -43,9 +43,14 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [T] -> (cos, sin) each [T, D] in `dtype` (computed in fp32 like HF)."""
+        """positions [T] -> (cos, sin) each [T, D] in `dtype` (computed in fp32 like HF).
+
+        `sin`'s first half is negated: HF's rotate_half(x) is (-x2, x1), so
+        `x*cos + (x2, x1)*sin_signed` gives the same bits with one op less per layer
+        (negation is exact in floating point)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
+        sin[:, : sin.shape[1] // 2].neg_()
         return cos.to(dtype), sin.to(dtype)

@@ -3,7 +3,13 @@
 The package is data only: we never import it, we locate its file through
 `importlib.metadata`. transformers de-quantizes the GGUF on load but refuses to
 `save_pretrained` a GGUF-loaded model, so the weights are copied into a plain
-`LlamaForCausalLM` and saved as bf16 safetensors.
+`LlamaForCausalLM` and saved as safetensors.
+
+The tensors are saved in float32: the de-quantized Q4_1 values (fp16 scale x 4-bit
+quant + fp16 min, computed in fp32) are exact there and would be rounded in bf16, so
+`--dtype float32` serves exactly what transformers serves from the GGUF file. The
+config still names bfloat16, the model's own dtype, as the serving default on GPUs;
+the loader casts at load time.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def convert(out_dir: Path) -> None:
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(gguf_model.state_dict(), strict=False)
     plain.tie_weights()
-    plain.to(torch.bfloat16)
+    plain.to(torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)

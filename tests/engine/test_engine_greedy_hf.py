@@ -124,3 +124,50 @@ def test_smollm2_eos_stops_unless_ignored():
     assert len(cont.output_ids) == 40
     assert cont.output_ids[: len(stop.output_ids)] == stop.output_ids
     assert stop.text == llm.tokenizer.decode(stop.output_ids, skip_special_tokens=True)
+
+
+@functools.cache
+def _gguf_reference():
+    """transformers on the original GGUF file (de-quantized by transformers, fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.models.smollm2 import gguf_path
+
+    src = gguf_path()
+    return AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_smollm2_converted_weights_are_the_gguf_values():
+    """The converter keeps the de-quantized values exactly (fp32 on disk), so our fp32
+    engine and transformers-on-the-GGUF hold the very same weights."""
+    llm = get_llm(SMOLLM)
+    ours = dict(llm.engine.loaded.model.named_parameters())
+    ref = _gguf_reference().state_dict()
+    q, k, v = (ref[f"model.layers.3.self_attn.{n}_proj.weight"] for n in "qkv")
+    import torch
+
+    assert torch.equal(ours["model.layers.3.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
+    assert torch.equal(ours["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])
+    down = "model.layers.17.mlp.down_proj.weight"
+    assert torch.equal(ours[down], ref[down])
+
+
+def test_smollm2_greedy_matches_transformers_on_the_gguf():
+    import torch
+
+    m = _gguf_reference()
+    m.generation_config.eos_token_id = None  # as hf_greedy(stop_at_eos=False): EOS may win
+    llm = get_llm(SMOLLM)
+    mismatches = []
+    for ids, out in zip(_smollm_ids(llm), _smollm_batched(), strict=True):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            ref = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=SMOLLM_NEW_TOKENS, pad_token_id=0)
+        ref = ref[0, len(ids):].tolist()
+        if list(out) != ref:
+            mismatches.append((len(ids), list(out), ref))
+    _gguf_reference.cache_clear()
+    assert not mismatches, mismatches

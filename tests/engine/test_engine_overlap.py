@@ -165,10 +165,10 @@ def test_staging_ring_waits_for_the_forward_to_copy_inputs():
 
 def test_staging_ring_grows_buffers():
     ring = StagingRing(torch.device("cpu"))
-    big = {"kv_indices": torch.arange(40000, dtype=torch.int64).view(200, 200)}
+    big = {"kv_pages": torch.arange(40000, dtype=torch.int64).view(200, 200)}
     packed = ring.pack(big, {"temperature": torch.ones(3000)})
     out = packed.to_device(torch.device("cpu"))
-    assert torch.equal(out["kv_indices"], big["kv_indices"])
+    assert torch.equal(out["kv_pages"], big["kv_pages"])
     assert out["temperature"].shape == (3000,)
 
 
