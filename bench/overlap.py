@@ -45,7 +45,7 @@ def run_pair(model: str, batch: int, out_len: int, repeats: int) -> list[dict]:
     prompts = [[100 + i, 200 + i, 300 + i, 400 + i] * 4 for i in range(batch)]
     params = SamplingParams(max_new_tokens=out_len, temperature=0, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
-    llms = {loop: LLM(model, disable_overlap=loop == "normal",
+    llms = {loop: LLM(model, loop=loop,
                       max_running_requests=max(batch, 8)) for loop in ("normal", "overlap")}
     best: dict[str, dict] = {}
     for llm in llms.values():

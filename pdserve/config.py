@@ -26,7 +26,8 @@ class EngineConfig:
     max_prefill_tokens: int = 4096  # token budget of one prefill batch
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     disable_prefix_cache: bool = False
-    disable_overlap: bool = False
+    loop: str = "auto"  # auto | overlap | normal (see pdserve/engine/loop_choice.py)
+    disable_overlap: bool = False  # same as loop="normal" (SGLang's flag name)
     decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
     seed: int = 0
     model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
@@ -42,12 +43,15 @@ class EngineConfig:
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
+        if self.loop not in ("auto", "overlap", "normal"):
+            raise ValueError(f"loop must be auto|overlap|normal, got {self.loop!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda[:N], got {self.device!r}")
 
     @property
-    def overlap(self) -> bool:
-        return not self.disable_overlap
+    def requested_loop(self) -> str:
+        """The loop asked for: `disable_overlap` wins over `loop` (it only forces normal)."""
+        return "normal" if self.disable_overlap else self.loop
 
     def torch_device(self) -> torch.device:
         import torch
@@ -89,7 +93,9 @@ _HELP = {
     "max_prefill_tokens": "token budget of one prefill batch",
     "schedule_policy": "fcfs or lpm (longest prefix match first)",
     "disable_prefix_cache": "turn the radix prefix cache off",
-    "disable_overlap": "use the normal loop instead of the overlapped one",
+    "loop": "scheduling loop: overlap (CPU builds batch N+1 while N runs), normal, or auto "
+            "(overlap on GPUs and when a CPU core is free for the scheduler, else normal)",
+    "disable_overlap": "use the normal loop (same as --loop normal)",
     "decode_reserve_tokens": "KV tokens reserved per running request for future decode steps",
     "seed": "seed of the engine's sampler for unseeded requests",
     "model_cache_dir": "where built-in models are converted/generated (default: user cache)",

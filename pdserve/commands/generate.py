@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve generate: error: {exc}")
         return 2
     print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s "
-          f"({'overlap' if cfg.overlap else 'normal'} loop, device {llm.engine.device})")
+          f"({llm.engine.loop_choice.loop} loop, device {llm.engine.device})")
     prompts = args.prompt or DEMO_PROMPTS
     if not args.no_chat_template and llm.tokenizer.chat_template:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],

@@ -13,6 +13,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.executor import InlineExecutor, ThreadedExecutor
 from pdserve.engine.future_map import FutureMap
 from pdserve.engine.kv_manager import KVManager
+from pdserve.engine.loop_choice import choose_loop
 from pdserve.engine.loops import NormalLoop, OverlapLoop
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
@@ -59,7 +60,9 @@ class Engine:
                              Sampler(self.device, cfg.seed), self.device)
         self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length,
                                    self.role)
-        if cfg.overlap:
+        self.loop_choice = choose_loop(cfg.requested_loop, self.device)
+        log.info("scheduling loop: %s (%s)", self.loop_choice.loop, self.loop_choice.reason)
+        if self.loop_choice.overlap:
             self.executor = ThreadedExecutor(runner)
             self.loop = OverlapLoop(self.sched, self.executor, self.out)
         else:
@@ -160,6 +163,13 @@ class Engine:
         return done
 
     # -- introspection ---------------------------------------------------------------------
+    def describe(self) -> dict:
+        """What this engine runs, for /server_info and logs."""
+        return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
+                "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
+                "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,
+                "max_total_tokens": self.max_total_tokens}
+
     def memory_stats(self) -> dict[str, int]:
         return self.kv.stats()
 

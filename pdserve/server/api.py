@@ -72,6 +72,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
     async def server_info():
         s = front.client.stats
         return {"model": model, "context_length": front.context_length,
+                "engine": front.client.ready.engine_info,
                 "stats": vars(s) if s else None, "open_requests": len(front.client.handles)}
 
     @app.get("/metrics")

@@ -64,6 +64,7 @@ class Ready:
     max_total_tokens: int
     page_size: int
     kv_info: dict = field(default_factory=dict)  # PD nodes: registry transfer fields
+    engine_info: dict = field(default_factory=dict)  # loop choice, dtype, device, threads
 
 
 @dataclass

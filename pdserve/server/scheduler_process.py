@@ -38,7 +38,7 @@ class SchedulerService:
         mgr = getattr(e.role, "mgr", None)
         kv_info = mgr.registry_fields() if mgr is not None else {}
         return m.Ready(self.cfg.model_name, e.context_length, e.loaded.hf_config.vocab_size,
-                       e.max_total_tokens, self.cfg.engine.page_size, kv_info)
+                       e.max_total_tokens, self.cfg.engine.page_size, kv_info, e.describe())
 
     def serve_forever(self, parent_pid: int) -> None:
         self.send.send(m.encode(self.ready_message()))

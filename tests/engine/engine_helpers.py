@@ -17,10 +17,12 @@ import torch
 from pdserve import LLM, SamplingParams
 
 # Defaults keep each KV pool small: the tiny models would otherwise get 512 MiB each.
+# The overlap loop is asked for explicitly (auto picks the normal loop on a 2-core CPU), so
+# `disable_overlap=False` in a test still means "the overlap loop".
 DEFAULTS: dict[str, dict] = {
-    "tiny-llama": {"max_total_tokens": 16384},
-    "tiny-qwen2": {"max_total_tokens": 16384},
-    "smollm2-135m": {"max_total_tokens": 8192, "dtype": "float32"},
+    "tiny-llama": {"max_total_tokens": 16384, "loop": "overlap"},
+    "tiny-qwen2": {"max_total_tokens": 16384, "loop": "overlap"},
+    "smollm2-135m": {"max_total_tokens": 8192, "dtype": "float32", "loop": "overlap"},
 }
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
 

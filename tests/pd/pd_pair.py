@@ -37,10 +37,12 @@ BACKENDS = ("mooncake", "tcp")
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
 SMOLLM = "smollm2-135m"
 # Small KV pools: the default 512 MiB per engine would add up over dozens of engines.
+# The overlap loop is explicit (auto picks normal on a 2-core CPU); disable_overlap=True
+# still selects the normal loop.
 MODEL_DEFAULTS: dict[str, dict] = {
-    "tiny-llama": {"max_total_tokens": 8192},
-    "tiny-qwen2": {"max_total_tokens": 8192},
-    SMOLLM: {"max_total_tokens": 2048, "dtype": "float32"},
+    "tiny-llama": {"max_total_tokens": 8192, "loop": "overlap"},
+    "tiny-qwen2": {"max_total_tokens": 8192, "loop": "overlap"},
+    SMOLLM: {"max_total_tokens": 2048, "dtype": "float32", "loop": "overlap"},
 }
 
 # -- engines ------------------------------------------------------------------------------

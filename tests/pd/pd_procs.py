@@ -115,7 +115,8 @@ class Node(Proc):
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.cli", role, "--model", model,
                "--registry", registry.url, "--port", str(self.port), "--node-id",
-               self.node_id, "--transfer-backend", backend, "--log-level", "warning", *flags]
+               self.node_id, "--transfer-backend", backend, "--log-level", "warning",
+               "--loop", "overlap", *flags]  # as before auto: --disable-overlap still wins
         super().__init__(self.node_id, cmd, log_dir)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Node:

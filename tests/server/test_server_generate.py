@@ -141,3 +141,15 @@ def test_duplicate_rid_is_400_and_leaves_the_original_request_alone(server, offl
     assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2]
     _check_result(events[-2], ref, len(ids))
     server.wait_pools_full(open_requests=True)
+
+
+def test_server_info_names_the_loop_and_why(server):
+    """The automatic loop choice is visible: which loop, why, on what device and dtype."""
+    from pdserve.engine.loop_choice import usable_cores
+
+    eng = server.info()["engine"]
+    assert eng["loop"] in ("overlap", "normal") and eng["loop_reason"].startswith("auto: ")
+    # On CPU: overlap only with a core to spare beyond the scheduler process's own threads.
+    spare = usable_cores() > eng["torch_threads"]
+    assert eng["loop"] == ("overlap" if spare else "normal")
+    assert eng["dtype"] == "float32" and eng["page_size"] >= 1 and eng["torch_threads"] >= 1
