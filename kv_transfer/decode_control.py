@@ -40,6 +40,10 @@ from kv_transfer.poll import KVPoll, RoomStatus
 from kv_transfer.rooms import ReceiverRoom
 
 log = logging.getLogger(__name__)
+# Failure reasons of our own making; every other reason concerns the prefill peer (it went
+# silent, failed, timed out, or sent something wrong), which is then to blame.
+_OWN_FAILURES = ("aborted by decode", "invalid init", "bootstrap timeout: init()",
+                 "duplicate room")
 
 
 @dataclass
@@ -119,7 +123,7 @@ class DecodeControl(ControlLoop):
     # ---- room machinery ---------------------------------------------------------------
 
     def _fail_status(self, status: RoomStatus, reason: str) -> None:
-        if status.fail(reason):
+        if status.fail(reason, peer_fault=not reason.startswith(_OWN_FAILURES)):
             self._stats.room_failed(reason)
             log.info("kv receiver failed: %s", reason)
 

@@ -46,6 +46,9 @@ class RouterConfig:
                                          "requests ...")
     balance_rel_threshold: float = _opt(1.5, "... and more than this factor of its load")
     max_body_bytes: int = _opt(4 << 20, "largest request body; beyond: 413")
+    truncate_max_tokens: bool = _opt(False, "when prompt + max_tokens exceed the model's "
+                                            "context, clip max_tokens to what is left "
+                                            "instead of answering 400")
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -79,6 +82,10 @@ class RouterConfig:
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("router")
         for f in fields(RouterConfig):
+            if f.type in (bool, "bool"):
+                g.add_argument("--" + f.name.replace("_", "-"), action="store_true",
+                               help=f.metadata["help"])
+                continue
             kind = f.type if isinstance(f.type, type) else {"int": int, "float": float}.get(
                 f.type, str)
             extra = {k: v for k, v in f.metadata.items() if k != "help"}

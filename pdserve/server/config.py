@@ -18,6 +18,8 @@ class ServerConfig:
     max_queued_requests: int = 256  # waiting-queue bound; beyond it requests get 429
     request_timeout_s: float = 600.0  # whole-request bound; beyond it 408
     max_body_bytes: int = 4 << 20  # larger bodies get 413
+    # prompt + max_tokens beyond the context: clip max_tokens instead of answering 400
+    truncate_max_tokens: bool = False
     log_level: str = "info"
     role: str = "colocated"  # colocated | prefill | decode
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
@@ -39,6 +41,9 @@ class ServerConfig:
                        help="time limit of one request; beyond it HTTP 408")
         g.add_argument("--max-body-bytes", type=int, default=4 << 20,
                        help="largest request body; beyond it HTTP 413")
+        g.add_argument("--truncate-max-tokens", action="store_true",
+                       help="when prompt + max_tokens exceed the model's context, clip "
+                            "max_tokens to what is left instead of answering HTTP 400")
         g.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
         EngineConfig.add_cli_args(p)
@@ -54,6 +59,7 @@ class ServerConfig:
             served_model_name=args.served_model_name,
             max_queued_requests=args.max_queued_requests,
             request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
+            truncate_max_tokens=args.truncate_max_tokens,
             log_level=args.log_level, role=role,
             pd=PDConfig.from_cli(args) if role != "colocated" else None,
         )
