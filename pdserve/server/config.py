@@ -23,7 +23,7 @@ class ServerConfig:
     truncate_max_tokens: bool = False
     header_timeout_s: float = 10.0  # a request's headers must arrive within this; then 408
     body_timeout_s: float = 30.0  # ... and its body within this after the headers
-    max_connections: int = 1024  # open HTTP connections; beyond it new ones get 503
+    max_connections: int = 4096  # open HTTP connections; beyond it new ones get 503
     log_level: str = "info"
     role: str = "colocated"  # colocated | prefill | decode
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
@@ -58,7 +58,7 @@ class ServerConfig:
         g.add_argument("--body-timeout-s", type=float, default=30.0,
                        help="a request body must arrive within this many seconds of its "
                             "headers, or it is answered 408 and closed")
-        g.add_argument("--max-connections", type=int, default=1024,
+        g.add_argument("--max-connections", type=int, default=4096,
                        help="open HTTP connections; beyond it new ones get 503 and close")
         g.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
