@@ -138,20 +138,21 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         tok = await gw.tokenizer()
         body.check_common(gw.model_name)
         ids = tok.encode(body.prompt_input())
-        return await _openai(body, ids, request, "text_completion", 16)
+        return await _openai(body, ids, request, "text_completion", 16, tok.context_length)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         tok = await gw.tokenizer()
         body.check_common(gw.model_name)
         ids = tok.chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await _openai(body, ids, request, "chat.completion", tok.default_max_tokens(ids))
+        return await _openai(body, ids, request, "chat.completion", tok.default_max_tokens(ids),
+                             tok.context_length)
 
-    async def _openai(body, ids: list[int], request: Request, kind: str, default_max: int):
-        tok = await gw.tokenizer()
+    async def _openai(body, ids: list[int], request: Request, kind: str, default_max: int,
+                      context: int):
         max_tokens = fit_max_tokens(
             len(ids), getattr(body, "max_completion_tokens", None) or body.max_tokens,
-            default_max, tok.context_length, gw.cfg.truncate_max_tokens)
+            default_max, context, gw.cfg.truncate_max_tokens)
         sp = {"max_new_tokens": max_tokens, "temperature": body.temperature,
               "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
               "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,

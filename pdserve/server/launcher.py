@@ -108,14 +108,17 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
         return 1
     client.start()
     front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
-    try:
-        registry = (await asyncio.to_thread(_register, cfg, client, front)
-                    if cfg.pd is not None else None)
-    except RuntimeError as exc:  # RegistrationFailed: one clear line, no traceback
-        print(f"pdserve {cfg.role}: error: {exc}", file=sys.stderr, flush=True)
-        await client.close()
-        ctx.term()
-        return 1
+    registry = None
+    if cfg.pd is not None:
+        from pdserve.disagg.registration import RegistrationFailed
+
+        try:
+            registry = await asyncio.to_thread(_register, cfg, client, front)
+        except RegistrationFailed as exc:  # one clear line, no traceback
+            print(f"pdserve {cfg.role}: error: {exc}", file=sys.stderr, flush=True)
+            await client.close()
+            ctx.term()
+            return 1
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
