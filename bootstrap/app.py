@@ -21,7 +21,14 @@ from bootstrap.body_limit import BodyLimitMiddleware
 from bootstrap.config import RegistryConfig
 from bootstrap.errors import ApiError, ErrorBody, install_error_handlers
 from bootstrap.lifecycle import DeleteOutcome, PutOutcome
-from bootstrap.record import ID_PATTERN, SERVER_FIELDS, NodeRegistration, RegisteredNode, Role
+from bootstrap.record import (
+    ID_PATTERN,
+    SERVER_FIELDS,
+    NodeRegistration,
+    RegisteredNode,
+    Role,
+    servable,
+)
 from bootstrap.store.base import NodeStore
 
 log = logging.getLogger("pdserve.registry")
@@ -88,6 +95,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
     def put_node(node_id: NodeIdPath, body: Registration, response: Response) -> Any:
         """Register or renew a node (a heartbeat is a full PUT of the record)."""
         incoming = _incoming(config, node_id, body)
+        _check_storable(incoming)
         outcome, record = store.put(incoming, incoming.pop("ttl_s"))
         if outcome is PutOutcome.SUPERSEDED:
             raise ApiError(
@@ -129,7 +137,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
     )
     def list_nodes(role: Role | None = None) -> Any:
         """Live nodes, sorted by node_id, optionally of one role."""
-        return {"nodes": store.list(role)}
+        return {"nodes": [r for r in store.list(role) if _readable(r)]}
 
     @app.get(
         "/v1/nodes/{node_id}",
@@ -139,7 +147,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
     )
     def get_node(node_id: NodeIdPath) -> Any:
         record = store.get(node_id)
-        if record is None:
+        if record is None or not _readable(record):
             raise ApiError(404, f"node {node_id} is not registered", "node_not_found")
         return record
 
@@ -150,6 +158,24 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
         return {"status": "ok", "store": store.kind}
 
     return app
+
+
+def _check_storable(incoming: dict[str, Any]) -> None:
+    """Refuse (422) a record that could not be served back once stored, before storing it:
+    one such record would otherwise break every listing until its TTL ran out."""
+    stamped = {"registered_at": 0.0, "renewed_at": 0.0, "expires_at": 0.0, "generation": 1}
+    if (reason := servable({**incoming, **stamped})) is not None:
+        raise ApiError(422, f"the record cannot be stored: {reason}", "invalid_input")
+
+
+def _readable(record: dict[str, Any]) -> bool:
+    """A stored record that cannot be served (written by an older registry, or by hand into
+    Redis) is skipped and logged: a listing never fails because of one record."""
+    if (reason := servable(record)) is None:
+        return True
+    node_id = record.get("node_id") if isinstance(record.get("node_id"), str) else "?"
+    log.warning("skipping unservable record of node %s: %s", ascii(node_id)[:140], reason)
+    return False
 
 
 def _incoming(config: RegistryConfig, node_id: str, body: NodeRegistration) -> dict[str, Any]:

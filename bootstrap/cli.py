@@ -75,6 +75,18 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413"
     )
+    p.add_argument(
+        "--header-timeout-s", type=float, default=d.header_timeout_s,
+        help="a connection must send a request's headers within this; else 408 and closed",
+    )
+    p.add_argument(
+        "--body-timeout-s", type=float, default=d.body_timeout_s,
+        help="a request body must arrive within this after its headers; else 408 and closed",
+    )
+    p.add_argument(
+        "--max-connections", type=int, default=d.max_connections,
+        help="open connections; beyond it new ones get 503 and are closed",
+    )
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
     p.set_defaults(func=run)
 
@@ -97,6 +109,9 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
         min_ttl_s=args.min_ttl,
         max_ttl_s=args.max_ttl,
         max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections,
         log_level=args.log_level,
     )
 
@@ -125,12 +140,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("config %s", config.describe())
     # Access logs only at debug: every node heartbeats every TTL/3.
+    from pdserve.http_guard import HttpLimits, guarded_protocol
+
+    limits = HttpLimits(config.header_timeout_s, config.body_timeout_s, config.max_connections)
     uvicorn.run(
         create_app(config, store),
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         access_log=config.log_level == "debug",
+        http=guarded_protocol(limits),
     )
     return 0
 

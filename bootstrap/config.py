@@ -32,6 +32,12 @@ class RegistryConfig:
     max_ttl_s: float = 3600.0
     # Request bodies above this many bytes get a 413 before any parsing.
     max_body_bytes: int = 65536
+    # A connection must send a request's headers within header_timeout_s and its body
+    # within body_timeout_s after them (else 408 and closed); beyond max_connections open
+    # connections new ones get 503 and are closed.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -55,6 +61,9 @@ class RegistryConfig:
             )
         if self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0 or self.max_connections < 1:
+            raise ConfigError("need --header-timeout-s > 0, --body-timeout-s > 0 and "
+                              "--max-connections >= 1")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
 

@@ -14,7 +14,16 @@ import uuid
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from pdserve.plain_json import unsafe_reason
 
 # Node and instance ids travel in URL paths and Redis keys: keep them to a safe alphabet,
 # starting with an alphanumeric so "." and ".." (which URL clients normalise away) and
@@ -87,16 +96,15 @@ class _RecordBody(BaseModel):
             raise ValueError("must look like http://HOST[:PORT][/PATH]")
         return value
 
-    @model_validator(mode="after")
-    def _extras_are_plain_json(self) -> _RecordBody:
-        # Extra fields are stored and echoed verbatim; NaN/Infinity would make the echo
-        # invalid JSON (a 500 at response time), so refuse them here as a 422.
-        if self.model_extra:
-            try:
-                json.dumps(self.model_extra, allow_nan=False)
-            except ValueError as exc:
-                raise ValueError(f"extra fields must be plain JSON ({exc})") from None
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_json(cls, data: Any) -> Any:
+        # Records (extra fields included) are stored and echoed verbatim; NaN/Infinity or
+        # a lone surrogate would make every later listing invalid JSON (a 500 for every
+        # reader until the TTL ends), so refuse them here as a 422.
+        if (reason := unsafe_reason(data)) is not None:
+            raise ValueError(f"the record must be plain JSON: {reason}")
+        return data
 
 
 class NodeRecord(_RecordBody):
@@ -129,6 +137,25 @@ class RegisteredNode(NodeRecord):
     expires_at: float
     generation: int = Field(ge=1)
     previous_instance_id: str | None = None
+
+
+def servable(record: dict[str, Any]) -> str | None:
+    """Why a stored record could not be served back (not encodable as UTF-8 JSON, or no
+    longer a RegisteredNode), or None. Checked before a record is stored, and again on
+    every read: a bad record is skipped, it never fails a listing."""
+    try:
+        RegisteredNode.model_validate(
+            json.loads(json.dumps(record, ensure_ascii=False, allow_nan=False).encode()))
+    except ValidationError as exc:
+        return describe(exc)
+    except (ValueError, TypeError) as exc:  # NaN/Infinity, lone surrogates, odd types
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def describe(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                     for e in exc.errors()[:5])
 
 
 def new_instance_id() -> str:

@@ -79,7 +79,8 @@ class DecodeRole(Role):
             req = self.prealloc[0]
             if req.receiver.poll() == KVPoll.Failed:
                 self.prealloc.pop(0)
-                self._fail(req, req.receiver.failure_reason or "prefill peer failed")
+                self._fail(req, req.receiver.failure_reason or "prefill peer failed",
+                           req.receiver.peer_fault)
                 continue
             if not self._try_allocate(req):
                 return  # FIFO: later requests wait behind the head
@@ -116,7 +117,8 @@ class DecodeRole(Role):
                 self._commit(req)
             elif state == KVPoll.Failed:
                 self.transferring.remove(req)
-                self._fail(req, req.receiver.failure_reason or "KV transfer failed")
+                self._fail(req, req.receiver.failure_reason or "KV transfer failed",
+                           req.receiver.peer_fault)
 
     def _commit(self, req) -> None:
         room, token, _ = unpack_row(req.receiver.metadata()[0])
@@ -132,10 +134,14 @@ class DecodeRole(Role):
         if reason:
             self.engine.out.finish(req, reason)
 
-    def _fail(self, req, reason: str) -> None:
-        """The receiver is terminal here, so no write can land: free everything now."""
+    def _fail(self, req, reason: str, prefill_fault: bool = False) -> None:
+        """The receiver is terminal here, so no write can land: free everything now.
+        `prefill_fault`: the prefill node caused it; the client (the router) is told so
+        with the error code `prefill_failed`, to blame that node and retry elsewhere."""
         self._free_meta(req)
-        req.error = reason
+        req.error = f"KV transfer from the prefill node failed: {reason}" if prefill_fault \
+            else reason
+        req.error_code = "prefill_failed" if prefill_fault else None
         self.engine.out.finish(req, "error", cache_it=False)
 
     # any end -------------------------------------------------------------------------------------

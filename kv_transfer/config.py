@@ -42,6 +42,14 @@ class KVTransferConfig:
     max_batch_entries: int = MAX_BATCH_ENTRIES_LIMIT
     # Bound of the control loops' sleep; deadlines are checked at this granularity.
     tick_s: float = 0.05
+    # Write fencing (kv_transfer/lease.py). Decode: each room it grants may be written for
+    # lease_s; a room it fails without the prefill's confirmation keeps its pages until
+    # lease_s + lease_margin_s after its last grant. Prefill: writes a room only while
+    # its lease, counted on its own clock from before the grant, has not run out.
+    # 0 = derived from the heartbeat deadline (1/2 and 1/4 of it), so that fencing never
+    # delays the failure of a dead peer's rooms beyond the heartbeat bound.
+    lease_s: float = 0.0
+    lease_margin_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.backend not in ("mooncake", "tcp"):
@@ -56,8 +64,18 @@ class KVTransferConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.heartbeat_misses < 1:
             raise ValueError("heartbeat_misses must be >= 1")
+        if self.lease_s < 0 or self.lease_margin_s < 0:
+            raise ValueError("lease_s and lease_margin_s must be >= 0 (0: derived)")
 
     @property
     def heartbeat_deadline_s(self) -> float:
         """Silence after which a peer counts as dead."""
         return self.heartbeat_interval_s * self.heartbeat_misses
+
+    @property
+    def write_lease_s(self) -> float:
+        return self.lease_s or self.heartbeat_deadline_s / 2
+
+    @property
+    def write_lease_margin_s(self) -> float:
+        return self.lease_margin_s or self.heartbeat_deadline_s / 4

@@ -6,7 +6,10 @@ silent for interval * misses is dead and all its rooms fail at once (it cannot w
 more). A room failing for a local reason (timeout, abort, bad status, checksum) first
 asks the prefill to stop (Abort) and is reported Failed only when the prefill confirms
 (AbortAck / Failed status) or the heartbeat bound passes: the scheduler frees a room's
-pages on Failed, so Failed must mean "no write can land any more".
+pages on Failed, so Failed must mean "no write can land any more". Write fencing
+(kv_transfer/lease.py): every Request and every Lease answer grants the room's writes for
+`lease_s`; a room failed without the prefill's confirmation is reported Failed only once
+`lease_s + lease_margin_s` have passed since its last grant (it waits in `_fencing`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import zmq
 
 from kv_transfer.args import KVArgs
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.lease import WriteFence
 from kv_transfer.loop import ControlLoop
 from kv_transfer.memory import crc_regions, page_regions
 from kv_transfer.messages import (
@@ -26,6 +30,8 @@ from kv_transfer.messages import (
     Abort,
     AbortAck,
     BadMessage,
+    Lease,
+    LeaseAsk,
     Message,
     Ping,
     Pong,
@@ -40,6 +46,10 @@ from kv_transfer.poll import KVPoll, RoomStatus
 from kv_transfer.rooms import ReceiverRoom
 
 log = logging.getLogger(__name__)
+# Failure reasons of our own making; every other reason concerns the prefill peer (it went
+# silent, failed, timed out, or sent something wrong), which is then to blame.
+_OWN_FAILURES = ("aborted by decode", "invalid init", "bootstrap timeout: init()",
+                 "duplicate room")
 
 
 @dataclass
@@ -56,18 +66,22 @@ class PrefillPeer:
 
 class DecodeControl(ControlLoop):
     def __init__(self, args: KVArgs, config: KVTransferConfig, register: Register,
-                 stats: TransferStats) -> None:
+                 stats: TransferStats, fence: WriteFence | None = None) -> None:
         super().__init__("kv-decode-control", config.tick_s)
         self._args, self._cfg, self._register, self._stats = args, config, register, stats
         self._identity = register.instance.encode()
         self._rooms: dict[int, ReceiverRoom] = {}
         self._peers: dict[str, PrefillPeer] = {}
         self._dst_bufs = args.layer_buffers()
+        # Failed rooms whose pages wait out their write lease: room -> (release at, room,
+        # reason). Out of `_rooms`, so nothing resurrects them and no lease lists them.
+        self._fencing: dict[int, tuple[float, ReceiverRoom, str]] = {}
+        self._fence = fence  # the receiver's check of each write, where it sees them
 
     # ---- operations posted by KVReceiver ----------------------------------------------
 
     def add_receiver(self, room: int, status: RoomStatus, endpoint: str) -> None:
-        if room in self._rooms:
+        if room in self._rooms or room in self._fencing:
             return self._fail_status(status, "duplicate room: a receiver for it is live")
         self._stats.inc("rooms_started")
         # Until init() the request may sit in the scheduler's pre-allocation queue; the
@@ -98,6 +112,9 @@ class DecodeControl(ControlLoop):
             self._send(peer, self._register)
             peer.registered = True
         peer.live.add(room)
+        r.granted_until = time.monotonic() + self._cfg.write_lease_s  # the Request is a grant
+        if self._fence is not None:
+            self._fence.open(room)
         self._send(peer, Request(room, dst_pages, meta_slot, prefix_len))
 
     def _check_init(self, dst_pages: list[int], meta_slot: int, prefix_len: int) -> str | None:
@@ -119,17 +136,28 @@ class DecodeControl(ControlLoop):
     # ---- room machinery ---------------------------------------------------------------
 
     def _fail_status(self, status: RoomStatus, reason: str) -> None:
-        if status.fail(reason):
+        if status.fail(reason, peer_fault=not reason.startswith(_OWN_FAILURES)):
             self._stats.room_failed(reason)
             log.info("kv receiver failed: %s", reason)
 
-    def _finish(self, r: ReceiverRoom, failure: str | None = None) -> None:
-        """Remove the room; with `failure`, it becomes Failed (no write can land any more)."""
-        if failure is not None:
-            self._fail_status(r.status, failure)
+    def _finish(self, r: ReceiverRoom, failure: str | None = None,
+                confirmed: bool = False) -> None:
+        """Remove the room; with `failure`, it becomes Failed (no write can land any more):
+        at once when the prefill `confirmed` it writes no more, else once the room's write
+        lease (plus margin) has run out."""
         self._rooms.pop(r.room, None)
         if (peer := self._peers.get(r.endpoint)) is not None:
             peer.live.discard(r.room)
+        if self._fence is not None:
+            self._fence.close(r.room)  # from here on no write of this room lands
+        if failure is None:
+            return
+        release = r.granted_until + self._cfg.write_lease_margin_s
+        if not confirmed and time.monotonic() < release:
+            self._stats.inc("fenced_rooms")
+            self._fencing[r.room] = (release, r, failure)
+        else:
+            self._fail_status(r.status, failure)
 
     def _local_fail(self, r: ReceiverRoom, reason: str) -> None:
         if r.abort_reason is not None or r.status.state.terminal:
@@ -147,10 +175,10 @@ class DecodeControl(ControlLoop):
             return  # finished rooms are never resurrected by late messages
         if r.abort_reason is not None:
             if msg.state == KVPoll.Failed:
-                self._finish(r, r.abort_reason)
+                self._finish(r, r.abort_reason, confirmed=True)
             return
         if msg.state == KVPoll.Failed:
-            return self._finish(r, f"prefill: {msg.reason or 'failed'}")
+            return self._finish(r, f"prefill: {msg.reason or 'failed'}", confirmed=True)
         if msg.state == KVPoll.WaitingForInput:
             if r.status.advance(KVPoll.WaitingForInput):
                 r.deadline = time.monotonic() + self._cfg.transfer_timeout_s
@@ -219,7 +247,7 @@ class DecodeControl(ControlLoop):
         try:
             if len(frames) != 1:
                 raise BadMessage("unexpected multipart control message")
-            msg = decode(frames[0], (Status, AbortAck, Pong))
+            msg = decode(frames[0], (Status, AbortAck, Pong, LeaseAsk))
         except BadMessage as exc:
             self._stats.inc("bad_messages")
             log.warning("kv control: bad message from prefill %s: %s", peer.endpoint, exc)
@@ -232,9 +260,21 @@ class DecodeControl(ControlLoop):
         elif isinstance(msg, AbortAck):
             r = self._rooms.get(msg.room)
             if r is not None and r.endpoint == peer.endpoint and r.abort_reason is not None:
-                self._finish(r, r.abort_reason)
+                self._finish(r, r.abort_reason, confirmed=True)
         elif isinstance(msg, Pong):
             self._on_pong(peer, msg)
+        elif isinstance(msg, LeaseAsk):
+            self._grant(peer, msg)
+
+    def _grant(self, peer: PrefillPeer, ask: LeaseAsk) -> None:
+        """Answer a lease ask with the rooms this prefill may still write (see lease.py)."""
+        now, rooms = time.monotonic(), []
+        for room in sorted(peer.live):
+            r = self._rooms.get(room)
+            if r is not None and r.abort_reason is None and not r.status.state.terminal:
+                r.granted_until = now + self._cfg.write_lease_s
+                rooms.append(room)
+        self._send(peer, Lease(ask.seq, rooms, round(self._cfg.write_lease_s * 1000)))
 
     def _on_pong(self, peer: PrefillPeer, msg: Pong) -> None:
         if peer.instance is not None and msg.instance != peer.instance:
@@ -253,6 +293,10 @@ class DecodeControl(ControlLoop):
     # ---- deadlines and heartbeats -----------------------------------------------------
 
     def on_tick(self, now: float) -> None:
+        for room, (release, r, failure) in list(self._fencing.items()):
+            if now >= release:  # no write of the prefill can land any more
+                del self._fencing[room]
+                self._fail_status(r.status, failure)
         for peer in self._peers.values():
             if not peer.live:
                 continue

@@ -20,6 +20,7 @@ from kv_transfer.args import KVArgs
 from kv_transfer.backends import TransferBackend, create_backend
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_control import DecodeControl
+from kv_transfer.lease import WriteFence
 from kv_transfer.messages import Register
 from kv_transfer.metrics import TransferStats
 from kv_transfer.prefill_control import PrefillControl
@@ -60,8 +61,10 @@ class KVManager:
                                           on_result=self._on_job_result)
             self._prefill.start()
         else:
+            fence = WriteFence(lambda: self.stats.inc("fenced_writes"))
+            self._backend.set_write_fence(fence)
             self._decode = DecodeControl(self.args, self.config, self._registration(),
-                                         self.stats)
+                                         self.stats, fence)
             self._decode.start()
 
     def _worker_or_fail(self) -> TransferWorker:

@@ -113,9 +113,30 @@ class Pong:
     registered: bool
 
 
-Message = Register | Request | Abort | Ping | Status | AbortAck | Pong
+@dataclass(frozen=True)
+class LeaseAsk:
+    """prefill -> decode: which of my rooms may I still write? The prefill notes when it
+    sent this (its own monotonic clock): every lease in the answer runs from then."""
+
+    TAG: ClassVar[str] = "lease_ask"
+    seq: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """decode -> prefill, answering LeaseAsk `seq`: `rooms` (those still live on the
+    decode) may be written for `lease_ms` from the ask's sending; a room the prefill had
+    before the ask and that is missing here was given up by the decode: never write it."""
+
+    TAG: ClassVar[str] = "lease"
+    seq: int
+    rooms: list[int]
+    lease_ms: int
+
+
+Message = Register | Request | Abort | Ping | Status | AbortAck | Pong | LeaseAsk | Lease
 _BY_TAG: dict[str, type] = {c.TAG: c for c in (Register, Request, Abort, Ping, Status,
-                                                AbortAck, Pong)}
+                                                AbortAck, Pong, LeaseAsk, Lease)}
 _HINTS = {c: typing.get_type_hints(c) for c in _BY_TAG.values()}
 
 

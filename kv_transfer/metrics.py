@@ -26,6 +26,9 @@ COUNTERS = (
     "engine_recreations",  # poisoned-path recoveries
     "bad_messages",        # undecodable / invalid control messages
     "checksum_failures",
+    "late_writes_refused",  # prefill: writes not made because the room's lease was gone
+    "fenced_rooms",         # decode: failed rooms whose pages waited out their lease
+    "fenced_writes",        # decode: incoming writes refused, their room closed (tcp)
 )
 
 

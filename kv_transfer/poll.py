@@ -33,7 +33,7 @@ class RoomStatus:
     atomic between the control and transfer threads.
     """
 
-    __slots__ = ("_state", "_reason", "_lock", "created_at", "finished_at")
+    __slots__ = ("_state", "_reason", "_lock", "created_at", "finished_at", "peer_fault")
 
     def __init__(self) -> None:
         self._state = KVPoll.Bootstrapping
@@ -41,6 +41,7 @@ class RoomStatus:
         self._lock = threading.Lock()
         self.created_at = time.monotonic()
         self.finished_at: float | None = None
+        self.peer_fault = False  # the failure was the peer's doing (set with the reason)
 
     @property
     def state(self) -> KVPoll:
@@ -62,11 +63,13 @@ class RoomStatus:
                 self.finished_at = time.monotonic()
             return True
 
-    def fail(self, reason: str) -> bool:
-        """Fail the room unless it already finished; the first reason wins."""
+    def fail(self, reason: str, peer_fault: bool = False) -> bool:
+        """Fail the room unless it already finished; the first reason wins. `peer_fault`:
+        the other node caused it (so a router can blame that node, not this one)."""
         with self._lock:
             if self._state.terminal:
                 return False
+            self.peer_fault = peer_fault
             self._state = KVPoll.Failed
             self._reason = reason
             self.finished_at = time.monotonic()

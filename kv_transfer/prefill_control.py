@@ -6,7 +6,9 @@ both nodes at once); it waits in `_pending` for up to the bootstrap timeout. Eve
 change happens on this thread; the transfer thread only writes and reports back.
 
 Invariant: a Failed status (and an AbortAck) goes to the decode only when no job of that
-room is in flight, so after it the decode may reuse the room's pages safely.
+room is in flight, so after it the decode may reuse the room's pages safely. And no room
+is written without a live write lease from its decode (kv_transfer/lease.py): chunks wait
+for one, and the transfer thread re-checks it right before each batch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import zmq
 
 from kv_transfer.args import KVArgs
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.lease import PeerAsks
 from kv_transfer.loop import ControlLoop
 from kv_transfer.memory import page_regions, write_bytes
 from kv_transfer.messages import (
@@ -27,6 +30,7 @@ from kv_transfer.messages import (
     Abort,
     AbortAck,
     BadMessage,
+    Lease,
     Message,
     Ping,
     Pong,
@@ -46,6 +50,11 @@ from kv_transfer.worker import JobResult, TransferJob
 log = logging.getLogger(__name__)
 _MAX_PENDING = 1 << 16  # requests waiting for their sender
 _MAX_FINISHED = 1 << 16  # remembered finished rooms, so late messages never resurrect one
+_REVOKED = "write lease revoked: the decode gave this room up"
+_HB_LOST = "decode peer heartbeat lost"
+# Failures after which the decode may reuse the room's pages: any write still wanted then
+# is a late write, refused and counted (late_writes_refused).
+_LATE = (_REVOKED, _HB_LOST)
 
 
 class PrefillControl(ControlLoop):
@@ -63,7 +72,7 @@ class PrefillControl(ControlLoop):
         self.add_socket(router, self._on_frames)
         self._rooms: dict[int, SenderRoom] = {}
         self._pending: dict[int, tuple[bytes, Request, float]] = {}
-        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._finished: OrderedDict[int, bool] = OrderedDict()  # room -> sends are late
         self._peers: dict[bytes, DecodePeer] = {}
         self._src_bufs = args.layer_buffers()
 
@@ -96,6 +105,8 @@ class PrefillControl(ControlLoop):
     def send(self, room: int, pages: list[int], last: bool,
              metadata: list[bytes] | None) -> None:
         if (r := self._live(room)) is None:
+            if self._finished.get(room):  # a late send of a room the decode gave up
+                self._stats.inc("late_writes_refused")
             return
         if r.sent_last:
             return self._fail(r, "invalid send: after the last chunk")
@@ -119,6 +130,9 @@ class PrefillControl(ControlLoop):
         if r is None:
             return
         r.inflight -= 1
+        if res.refused:
+            self._stats.inc("late_writes_refused")
+            log.warning("kv sender: refused a late write of room %d (lease expired)", r.room)
         if res.ok:
             self._stats.inc("bytes_sent", res.job.entries.nbytes)
         if r.status.state == KVPoll.Failed:
@@ -163,9 +177,14 @@ class PrefillControl(ControlLoop):
         if reason is not None:
             return self._fail(r, reason)
         r.request = req
+        assert peer is not None
+        r.accepted_seq = peer.asks.seq
+        r.lease.extend(peer.asks.implicit_until())  # see lease.py: sent after our last ask
         r.status.advance(KVPoll.WaitingForInput)
         r.deadline = time.monotonic() + self._cfg.transfer_timeout_s
         self._reply(ident, Status(r.room, int(KVPoll.WaitingForInput), 0, 0, 0, ""))
+        if not r.lease.valid():
+            self._ask_lease(peer)  # so the answer is here before the first chunk is
         self._flush(r)
 
     def _flush(self, r: SenderRoom) -> None:
@@ -180,6 +199,8 @@ class PrefillControl(ControlLoop):
         peer = self._peers.get(r.peer) if r.peer is not None else None
         if peer is None:
             return self._fail(r, "decode peer gone")
+        if r.chunks and not r.lease.valid():
+            return self._ask_lease(peer)  # the chunks wait for the answer
         while r.chunks:
             chunk = r.chunks.pop(0)
             start, end = r.cursor, r.cursor + len(chunk.pages)
@@ -209,7 +230,7 @@ class PrefillControl(ControlLoop):
         r.status.advance(KVPoll.Transferring)
         r.inflight += 1
         self._submit_job(TransferJob(r.room, r.status, peer.session, entries, pos0, pos1,
-                                     chunk.last, crc))
+                                     chunk.last, crc, r.lease))
 
     def _fail_status(self, status: RoomStatus, reason: str) -> None:
         if status.fail(reason):
@@ -217,6 +238,10 @@ class PrefillControl(ControlLoop):
             log.info("kv sender failed: %s", reason)
 
     def _fail(self, r: SenderRoom, reason: str) -> None:
+        if reason in _LATE and r.status.state != KVPoll.Failed and (
+                r.chunks or r.inflight or not r.sent_last):
+            # It still meant to write: what it holds (or its next send) is refused.
+            self._stats.inc("late_writes_refused", max(1, len(r.chunks)))
         self._fail_status(r.status, reason)
         r.chunks.clear()
         self._notify_failed(r)
@@ -233,7 +258,7 @@ class PrefillControl(ControlLoop):
 
     def _finish(self, r: SenderRoom) -> None:
         self._rooms.pop(r.room, None)
-        self._finished[r.room] = None
+        self._finished[r.room] = r.status.reason in _LATE
         while len(self._finished) > _MAX_FINISHED:
             self._finished.popitem(last=False)
 
@@ -255,12 +280,15 @@ class PrefillControl(ControlLoop):
         if (peer := self._peers.get(ident)) is not None:
             peer.last_seen, peer.declared_dead = time.monotonic(), False
         try:
-            msg = decode(payload, (Register, Request, Abort, Ping))
+            msg = decode(payload, (Register, Request, Abort, Ping, Lease))
         except BadMessage as exc:
             return self._on_bad(ident, exc)
         if isinstance(msg, Register):
             reason = check_register(msg, self._args, self._backend)
-            self._peers[ident] = DecodePeer(ident, msg, reason, time.monotonic())
+            asks = peer.asks if peer is not None else PeerAsks(self._cfg.write_lease_s)
+            self._peers[ident] = DecodePeer(ident, msg, reason, time.monotonic(), asks)
+        elif isinstance(msg, Lease):
+            self._on_lease(ident, msg)
         elif isinstance(msg, Ping):
             self._reply(ident, Pong(msg.seq, self._instance, ident in self._peers))
         elif isinstance(msg, Request):
@@ -284,6 +312,28 @@ class PrefillControl(ControlLoop):
             self._pending[req.room] = (ident, req, time.monotonic())
             return
         self._reply(ident, Status(req.room, int(KVPoll.Failed), 0, 0, 0, reason))
+
+    # ---- write leases (lease.py) ------------------------------------------------------
+
+    def _ask_lease(self, peer: DecodePeer) -> None:
+        now = time.monotonic()
+        if not peer.asks.pending(now, peer.asks.lease_s / 4):
+            self._reply(peer.ident, peer.asks.ask(now, peer.asks.lease_s / 4))
+
+    def _on_lease(self, ident: bytes, msg: Lease) -> None:
+        peer = self._peers.get(ident)
+        t0 = peer.asks.answer(msg) if peer is not None else None
+        if t0 is None:
+            return
+        until, granted = t0 + msg.lease_ms / 1000, set(msg.rooms)
+        for r in [r for r in self._rooms.values() if r.peer == ident and r.request]:
+            if r.status.state == KVPoll.Failed:
+                continue
+            if r.room in granted:
+                r.lease.extend(until)
+                self._flush(r)
+            elif r.accepted_seq < msg.seq:  # we had it before asking: the decode let go
+                self._fail(r, _REVOKED)
 
     def _on_abort(self, ident: bytes, msg: Abort) -> None:
         if (pending := self._pending.get(msg.room)) is not None and pending[0] == ident:
@@ -322,7 +372,7 @@ class PrefillControl(ControlLoop):
                 continue
             if r.peer in silent:
                 self._declare_dead(self._peers[r.peer])
-                self._fail(r, "decode peer heartbeat lost")
+                self._fail(r, _HB_LOST)
             elif now > r.deadline:
                 self._fail(r, "bootstrap timeout: no request from decode" if r.request is None
                            else "transfer timeout")
@@ -333,6 +383,9 @@ class PrefillControl(ControlLoop):
                                           "unknown room: no sender within the bootstrap timeout"))
         idle = max(60.0, 4 * hb)
         live_peers = {r.peer for r in self._rooms.values()}
+        for ident in live_peers:  # renew the write leases of peers we have rooms with
+            if (peer := self._peers.get(ident)) is not None and now >= peer.asks.next_ask:
+                self._reply(ident, peer.asks.ask(now, peer.asks.lease_s / 4))
         for ident in [i for i in silent if i not in live_peers]:
             if now - self._peers[ident].last_seen > idle:
                 del self._peers[ident]

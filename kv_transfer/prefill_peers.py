@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer.args import KVArgs, KVLayout
+from kv_transfer.lease import PeerAsks
 from kv_transfer.messages import Register, Request
 
 MAX_PAGES_PER_ROOM = 1 << 22
@@ -21,6 +22,7 @@ class DecodePeer:
     reg: Register
     incompatible: str | None  # why we will not write into this peer, or None
     last_seen: float
+    asks: PeerAsks  # write leases asked of this peer (kept across re-registrations)
     declared_dead: bool = False
 
     @property

@@ -46,6 +46,11 @@ class KVReceiver:
     def failure_reason(self) -> str | None:
         return self._status.reason
 
+    @property
+    def peer_fault(self) -> bool:
+        """Failed because of the prefill node (silent, failed, timed out, misbehaved)."""
+        return self._status.peer_fault
+
     def metadata(self) -> list[bytes]:
         """Our metadata row of every metadata buffer (after Success)."""
         if self._status.state != KVPoll.Success or self._slot is None:

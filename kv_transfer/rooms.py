@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kv_transfer.lease import LeaseCell
 from kv_transfer.messages import Request
 from kv_transfer.poll import RoomStatus
 
@@ -33,6 +34,8 @@ class SenderRoom:
     abort_ack_to: bytes | None = None  # decode peer waiting for an AbortAck
     first_send_at: float | None = None
     sent_last: bool = False
+    lease: LeaseCell = field(default_factory=LeaseCell)  # until when we may write
+    accepted_seq: int = 0  # lease asks sent to the peer before its request was accepted
 
 
 @dataclass
@@ -48,3 +51,4 @@ class ReceiverRoom:
     abort_reason: str | None = None  # local failure waiting for the prefill's AbortAck
     abort_deadline: float = math.inf
     started_at: float = 0.0
+    granted_until: float = -math.inf  # the prefill may write until then (our clock)

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from kv_transfer.backends.base import TransferBackend
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.lease import LeaseCell
 from kv_transfer.memory import crc_regions
 from kv_transfer.metrics import TransferStats
 from kv_transfer.poll import KVPoll, RoomStatus
@@ -30,6 +31,7 @@ from kv_transfer.runs import Entries
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_LEASE_POLL_S = 0.005
 
 
 @dataclass
@@ -44,6 +46,7 @@ class TransferJob:
     end: int
     last: bool
     crc_regions: list[tuple[int, int]] | None  # canonical source regions, checksums only
+    lease: LeaseCell | None = None  # the room's write lease (None: not fenced)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class JobResult:
     skipped: bool  # the room had failed before (or while) it was written
     reason: str | None
     checksum: int
+    refused: bool = False  # not written: the room's lease had run out (lease.py)
 
 
 class TransferWorker:
@@ -108,14 +112,32 @@ class TransferWorker:
         for batch in job.entries.batches(self._config.max_batch_entries):
             if job.status.state == KVPoll.Failed:
                 return JobResult(job, ok=False, skipped=True, reason=None, checksum=0)
-            reason = self._write(job.session, batch)
+            if job.lease is not None and not self._await_lease(job):
+                # Checked right before the write, on our clock: after a pause (SIGSTOP,
+                # partition) the decode may have reused these pages. Never write late.
+                failed = job.status.state == KVPoll.Failed
+                return JobResult(job, ok=False, skipped=failed, checksum=0, refused=True,
+                                 reason=None if failed else "write lease expired")
+            reason = self._write(job.session, batch, job.room)
             if reason is not None:
                 return JobResult(job, ok=False, skipped=False, reason=reason, checksum=0)
         crc = crc_regions(job.crc_regions) if job.crc_regions is not None else 0
         return JobResult(job, ok=True, skipped=False, reason=None, checksum=crc)
 
-    def _write(self, session: str, batch: Entries) -> str | None:
-        rc = self._counted_write(session, batch)
+    def _await_lease(self, job: TransferJob) -> bool:
+        """Is the room's lease live? A lapsed one gets one lease period to be renewed (the
+        control thread asks the decode every quarter of it): a slow answer only delays
+        the write, while a room the decode gave up fails meanwhile (or stays expired)."""
+        assert job.lease is not None
+        deadline = time.monotonic() + self._config.write_lease_s
+        while not job.lease.valid():
+            if job.status.state == KVPoll.Failed or time.monotonic() > deadline:
+                return False
+            time.sleep(_LEASE_POLL_S)
+        return True
+
+    def _write(self, session: str, batch: Entries, room: int) -> str | None:
+        rc = self._counted_write(session, batch, room)
         if rc == 0:
             return None
         if not self._backend.probe(session):
@@ -123,13 +145,13 @@ class TransferWorker:
         log.warning("kv transfer: write to live peer %s failed (rc=%d); re-creating engine",
                     session, rc)
         self.recreate()
-        rc = self._counted_write(session, batch)
+        rc = self._counted_write(session, batch, room)
         return None if rc == 0 else f"transfer failed: write to {session} rc={rc} after " \
                                     "engine re-create"
 
-    def _counted_write(self, session: str, batch: Entries) -> int:
+    def _counted_write(self, session: str, batch: Entries, room: int) -> int:
         t0 = time.perf_counter()
-        rc = self._backend.write(session, batch)
+        rc = self._backend.write(session, batch, room)
         self._stats.inc("engine_calls")
         self._stats.inc("engine_entries", len(batch))
         if rc != 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from kv_transfer.lease import WriteFence
 from kv_transfer.runs import Entries
 
 
@@ -30,8 +31,9 @@ class TransferBackend(ABC):
         """Make (pointer, length) regions readable and writable by peers."""
 
     @abstractmethod
-    def write(self, session: str, entries: Entries) -> int:
-        """Write all entries into peer `session`; 0 on success, negative on failure."""
+    def write(self, session: str, entries: Entries, room: int | None = None) -> int:
+        """Write all entries into peer `session`; 0 on success, negative on failure.
+        `room` names the transfer, for receivers that fence writes (set_write_fence)."""
 
     @abstractmethod
     def probe(self, session: str) -> bool:
@@ -40,6 +42,10 @@ class TransferBackend(ABC):
     @abstractmethod
     def recreate(self) -> None:
         """Drop all engine state and start afresh with the same registered regions."""
+
+    def set_write_fence(self, fence: WriteFence) -> None:  # noqa: B027 - optional hook
+        """Receiving side: apply incoming writes through `fence`. Backends whose writes
+        are one-sided (Mooncake) cannot; their receivers rely on write leases alone."""
 
     def forget_peer(self, session: str) -> None:  # noqa: B027 - optional hook
         """The peer was declared dead: abort waits on it where the backend can."""

@@ -93,7 +93,7 @@ class MooncakeBackend(TransferBackend):
         self._register_on(self._engine, regions)
         self._regions.extend(regions)
 
-    def write(self, session: str, entries: Entries) -> int:
+    def write(self, session: str, entries: Entries, room: int | None = None) -> int:
         if not len(entries):
             return 0
         return int(self._engine.batch_transfer_sync_write(session, entries.src, entries.dst,

@@ -17,6 +17,7 @@ import zmq
 from kv_transfer.backends.base import TransferBackend
 from kv_transfer.backends.tcp_server import RC_OK, Regions, TcpServer
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.lease import WriteFence
 from kv_transfer.memory import view
 from kv_transfer.runs import Entries
 
@@ -45,6 +46,9 @@ class TcpBackend(TransferBackend):
     def register(self, regions: list[tuple[int, int]]) -> None:
         self._regions.add(regions)
 
+    def set_write_fence(self, fence: WriteFence) -> None:
+        self._server.fence = fence
+
     def _client(self, session: str) -> zmq.Socket:
         sock = self._clients.get(session)
         if sock is None:
@@ -59,11 +63,12 @@ class TcpBackend(TransferBackend):
         if sock is not None:
             sock.close(0)
 
-    def write(self, session: str, entries: Entries) -> int:
+    def write(self, session: str, entries: Entries, room: int | None = None) -> int:
         started = time.monotonic()
         self._next_id += 1
         req_id = self._next_id
-        header = msgpack.packb({"id": req_id, "dst": entries.dst, "lens": entries.lens})
+        header = msgpack.packb({"id": req_id, "dst": entries.dst, "lens": entries.lens,
+                                "room": room})
         frames = [header] + [view(p, n) for p, n in zip(entries.src, entries.lens, strict=True)]
         sock = self._client(session)
         try:

@@ -2,10 +2,13 @@
 memory.
 
 Wire form of one write, on a ZMQ DEALER -> ROUTER connection:
-  [header, data_0, ..., data_{n-1}]  header = msgpack {"id": int, "dst": [addr], "lens": [int]}
+  [header, data_0, ..., data_{n-1}]  header = msgpack {"id": int, "dst": [addr], "lens": [int],
+                                                        "room": int | None}
   reply [msgpack {"id": int, "rc": int}]
 Like Mooncake, a write whose destination is not inside one registered region is refused
-as a whole (rc -1) and nothing of it is written; the node itself is unaffected.
+as a whole (rc -1) and nothing of it is written; the node itself is unaffected. With a
+write fence set (decode role), a write whose room is no longer open is refused as a whole
+too (kv_transfer/lease.py: a paused prefill's late write never lands in reused pages).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 import msgpack
 import zmq
 
+from kv_transfer.lease import WriteFence
 from kv_transfer.memory import view
 
 log = logging.getLogger(__name__)
@@ -47,16 +51,18 @@ class Regions:
             return i >= 0 and length >= 0 and ptr + length <= self._ends[i]
 
 
-def _parse_header(frame: bytes) -> tuple[int, list[int], list[int]]:
+def _parse_header(frame: bytes) -> tuple[int, list[int], list[int], int | None]:
     obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     if not isinstance(obj, dict):
         raise ValueError("header is not a map")
-    req_id, dst, lens = obj.get("id"), obj.get("dst"), obj.get("lens")
+    req_id, dst, lens, room = obj.get("id"), obj.get("dst"), obj.get("lens"), obj.get("room")
+    if room is not None and type(room) is not int:
+        raise ValueError("bad room")
     if type(req_id) is not int or type(dst) is not list or type(lens) is not list:
         raise ValueError("bad header fields")
     if len(dst) != len(lens) or not all(type(x) is int for x in dst + lens):
         raise ValueError("bad header lists")
-    return req_id, dst, lens
+    return req_id, dst, lens, room
 
 
 class TcpServer:
@@ -64,6 +70,7 @@ class TcpServer:
 
     def __init__(self, ctx: zmq.Context, host: str, regions: Regions) -> None:
         self._regions = regions
+        self.fence: WriteFence | None = None  # set once, before any peer knows us
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -85,11 +92,14 @@ class TcpServer:
             return
         ident, header, data = frames[0].bytes, frames[1].bytes, frames[2:]
         try:
-            req_id, dst, lens = _parse_header(header)
+            req_id, dst, lens, room = _parse_header(header)
         except Exception:
             log.warning("tcp backend: dropped a write with an undecodable header")
             return
-        rc = self._apply(dst, lens, data)
+        if self.fence is None:
+            rc = self._apply(dst, lens, data)
+        else:
+            rc = self.fence.apply(room, lambda: self._apply(dst, lens, data))
         self._sock.send_multipart([ident, msgpack.packb({"id": req_id, "rc": rc})])
 
     def _apply(self, dst: list[int], lens: list[int], data: list[zmq.Frame]) -> int:

@@ -17,6 +17,8 @@ class PDConfig:
     registry_token: str = ""
     node_id: str = ""  # "" = <role>-<host>-<port>
     registry_ttl_s: float = 10.0
+    # How long a starting node keeps trying an unreachable registry before it gives up.
+    registry_wait_s: float = 60.0
     disable_early_send: bool = False  # prefill: do not send cached prefix pages early
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
@@ -29,6 +31,9 @@ class PDConfig:
         g.add_argument("--node-id", default="", help="stable node id (default role-host-port)")
         g.add_argument("--registry-ttl-s", type=float, default=10.0,
                        help="TTL of this node's registry record (renewed every TTL/3)")
+        g.add_argument("--registry-wait-s", type=float, default=60.0,
+                       help="at start, give up (exit 1) when the registry stays unreachable "
+                            "this long; a refused record or token exits at once")
         g.add_argument("--disable-early-send", action="store_true",
                        help="prefill: do not send cached prefix pages before the forward")
         t = p.add_argument_group("KV transfer")
@@ -41,20 +46,30 @@ class PDConfig:
         t.add_argument("--kv-transfer-timeout-s", type=float, default=300.0)
         t.add_argument("--kv-heartbeat-interval-s", type=float, default=5.0)
         t.add_argument("--kv-heartbeat-misses", type=int, default=2)
+        t.add_argument("--kv-lease-s", type=float, default=0.0,
+                       help="write lease of a room: a prefill writes a room only within this "
+                            "long (its own clock) of the decode's last grant (0: half the "
+                            "heartbeat deadline)")
+        t.add_argument("--kv-lease-margin-s", type=float, default=0.0,
+                       help="decode: a room failed without the prefill's confirmation keeps "
+                            "its pages until lease + this margin after its last grant (0: a "
+                            "quarter of the heartbeat deadline)")
         t.add_argument("--kv-checksum", action="store_true",
                        help="verify a CRC32 of every transferred page")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> PDConfig:
-        if args.registry_ttl_s <= 0:
-            raise ValueError("--registry-ttl-s must be positive")
+        if args.registry_ttl_s <= 0 or args.registry_wait_s <= 0:
+            raise ValueError("--registry-ttl-s and --registry-wait-s must be positive")
         transfer = KVTransferConfig(
             backend=args.transfer_backend, host=args.kv_host,
             mooncake_protocol=args.mooncake_protocol, device_name=args.mooncake_device,
             bootstrap_timeout_s=args.kv_bootstrap_timeout_s,
             transfer_timeout_s=args.kv_transfer_timeout_s,
             heartbeat_interval_s=args.kv_heartbeat_interval_s,
-            heartbeat_misses=args.kv_heartbeat_misses, checksum=args.kv_checksum)
+            heartbeat_misses=args.kv_heartbeat_misses, checksum=args.kv_checksum,
+            lease_s=args.kv_lease_s, lease_margin_s=args.kv_lease_margin_s)
         return cls(registry_url=args.registry_url, registry_token=args.registry_token,
                    node_id=args.node_id, registry_ttl_s=args.registry_ttl_s,
+                   registry_wait_s=args.registry_wait_s,
                    disable_early_send=args.disable_early_send, transfer=transfer)

@@ -4,8 +4,10 @@ of a request's prefill node with a layout compatibility check."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from bootstrap.client import RegistryClient
+from bootstrap.client_errors import RegistryError
 from bootstrap.record import new_instance_id
 from pdserve.server.protocol import ApiError
 
@@ -24,8 +26,23 @@ def node_record(cfg, ready) -> dict:
     }
 
 
+class RegistrationFailed(RuntimeError):
+    """The node cannot join the registry: the launcher prints one line and exits 1."""
+
+
 def register_node(cfg, ready, get_stats) -> tuple[RegistryClient, dict]:
+    """Register and start the heartbeat; raise RegistrationFailed when the registry refuses
+    us (wrong token, bad record) or stays unreachable for `--registry-wait-s`."""
     client = RegistryClient(cfg.pd.registry_url, token=cfg.pd.registry_token or None)
+    try:
+        record = _register(client, cfg, ready, get_stats)
+    except BaseException:
+        client.close()
+        raise
+    return client, record
+
+
+def _register(client: RegistryClient, cfg, ready, get_stats) -> dict:
     record = node_record(cfg, ready)
 
     def load() -> dict:
@@ -36,8 +53,19 @@ def register_node(cfg, ready, get_stats) -> tuple[RegistryClient, dict]:
         return {"running": s.running, "waiting": s.waiting + queued,
                 "kv_usage": min(1.0, max(0.0, s.kv_usage))}
 
-    client.register(record, load_fn=load)
-    return client, record
+    url = cfg.pd.registry_url
+    try:
+        node = client.register(record, load_fn=load)
+    except RegistryError as exc:
+        raise RegistrationFailed(f"the registry at {url} refused this node: {exc}") from None
+    deadline = time.monotonic() + cfg.pd.registry_wait_s
+    while node is None and client.heartbeat.stats().beats == 0:
+        if time.monotonic() > deadline:  # the heartbeat keeps retrying until now
+            stats = client.heartbeat.stats()
+            raise RegistrationFailed(f"cannot register with the registry at {url} within "
+                                     f"{cfg.pd.registry_wait_s:g}s: {stats.last_error}")
+        time.sleep(0.2)
+    return record
 
 
 class PrefillPeerResolver:

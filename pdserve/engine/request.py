@@ -44,6 +44,7 @@ class Req:
         self.future_id = 0  # placeholder of the newest unprocessed sample; 0 = none
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # machine-readable cause, for the HTTP answer
         self.retractions = 0
         self.text = ""
         self.generator: torch.Generator | None = None

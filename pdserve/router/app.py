@@ -20,7 +20,13 @@ from pdserve.router.flow import Flow
 from pdserve.router.gateway import Gateway
 from pdserve.server.api import error_body, error_response, install_error_handlers, sse
 from pdserve.server.openai_format import chat_stream, completion_stream, final_response
-from pdserve.server.protocol import ApiError, ChatBody, CompletionBody, GenerateBody
+from pdserve.server.protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    GenerateBody,
+    fit_max_tokens,
+)
 
 DISCONNECT_POLL_S = 0.25
 
@@ -112,7 +118,12 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
             raise ApiError(400, "bootstrap_room and prefill_node_id are set by the router")
         tok = await gw.tokenizer()
         ids = tok.encode(body.text if body.text is not None else body.input_ids)
-        flow = gw.flow(body.rid or uuid.uuid4().hex, ids, body.sampling_params.model_dump())
+        sp = body.sampling_params.model_dump()
+        explicit = "max_new_tokens" in body.sampling_params.model_fields_set
+        sp["max_new_tokens"] = fit_max_tokens(
+            len(ids), sp["max_new_tokens"] if explicit else None, sp["max_new_tokens"],
+            tok.context_length, gw.cfg.truncate_max_tokens)
+        flow = gw.flow(body.rid or uuid.uuid4().hex, ids, sp)
         await until_disconnected(request, flow.start())
         if body.stream:
             return FlowResponse(flow, _generate_sse(flow))
@@ -127,18 +138,22 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         tok = await gw.tokenizer()
         body.check_common(gw.model_name)
         ids = tok.encode(body.prompt_input())
-        return await _openai(body, ids, request, "text_completion", 16)
+        return await _openai(body, ids, request, "text_completion", 16, tok.context_length)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         tok = await gw.tokenizer()
         body.check_common(gw.model_name)
         ids = tok.chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await _openai(body, ids, request, "chat.completion", tok.default_max_tokens(ids))
+        return await _openai(body, ids, request, "chat.completion", tok.default_max_tokens(ids),
+                             tok.context_length)
 
-    async def _openai(body, ids: list[int], request: Request, kind: str, default_max: int):
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        sp = {"max_new_tokens": max_tokens or default_max, "temperature": body.temperature,
+    async def _openai(body, ids: list[int], request: Request, kind: str, default_max: int,
+                      context: int):
+        max_tokens = fit_max_tokens(
+            len(ids), getattr(body, "max_completion_tokens", None) or body.max_tokens,
+            default_max, context, gw.cfg.truncate_max_tokens)
+        sp = {"max_new_tokens": max_tokens, "temperature": body.temperature,
               "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
               "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,
               "seed": body.seed}

@@ -10,6 +10,8 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from urllib.parse import urlsplit
 
+from pdserve.http_guard import HttpLimits
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -46,6 +48,15 @@ class RouterConfig:
                                          "requests ...")
     balance_rel_threshold: float = _opt(1.5, "... and more than this factor of its load")
     max_body_bytes: int = _opt(4 << 20, "largest request body; beyond: 413")
+    truncate_max_tokens: bool = _opt(False, "when prompt + max_tokens exceed the model's "
+                                            "context, clip max_tokens to what is left "
+                                            "instead of answering 400")
+    header_timeout_s: float = _opt(10.0, "a connection must send a request's complete "
+                                         "headers within this many seconds; beyond: 408 "
+                                         "and closed")
+    body_timeout_s: float = _opt(30.0, "a request body must arrive within this many "
+                                       "seconds of its headers; beyond: 408 and closed")
+    max_connections: int = _opt(4096, "open client connections; beyond: 503 and closed")
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -72,13 +83,22 @@ class RouterConfig:
             raise ValueError("--breaker-max-cooldown-s must be >= --breaker-cooldown-s")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("need --balance-abs-threshold >= 0 and --balance-rel-threshold >= 1")
+        HttpLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("router")
         for f in fields(RouterConfig):
+            if f.type in (bool, "bool"):
+                g.add_argument("--" + f.name.replace("_", "-"), action="store_true",
+                               help=f.metadata["help"])
+                continue
             kind = f.type if isinstance(f.type, type) else {"int": int, "float": float}.get(
                 f.type, str)
             extra = {k: v for k, v in f.metadata.items() if k != "help"}

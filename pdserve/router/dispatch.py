@@ -1,8 +1,10 @@
 """Dispatch one request: pick a (prefill, decode) pair, draw a room, start both legs, and
 wait for the decode leg's first event. A pair whose node could not be reached or refused
 before doing anything is abandoned (both legs cancelled) and the next pair tried, up to
-`--dispatch-attempts`, leaving out the nodes that failed. Any other failure is final:
-the request may have run, and running it twice is worse than a clear error.
+`--dispatch-attempts`, leaving out the nodes that failed; so is a pair whose prefill node
+failed (itself, or as the decode node reports: KV lost) before any output. Any other
+failure is final: the decode may have run, and running it twice is worse than a clear
+error.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class Dispatcher:
                 return Opened(legs, await legs.next())
             except LegError as err:
                 legs.cancel()
-                if not err.retryable:
+                # Nothing reached the client yet, so a prefill node's own failure can be
+                # retried on another prefill node (at worst a prompt is computed twice).
+                if not (err.retryable or (err.node is prefill and err.node_fault)):
                     raise err.api_error() from None
                 log.warning("attempt %d of %s: %s; trying another pair", attempt + 1, rid,
                             err.message)

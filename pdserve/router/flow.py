@@ -78,6 +78,11 @@ class Flow:
             self.outcome = str(exc.code or exc.status)
             yield exc
             return
+        except Exception as exc:  # a bug must still end the stream with a clear error
+            self.outcome = "router_error"
+            yield ApiError(502, f"the router failed relaying the decode stream: "
+                                f"{type(exc).__name__}: {exc}", "router_error")
+            return
         if self.last is None:
             self.outcome = "empty"
             yield ApiError(503, f"decode node {self.opened.decode.node_id} ended the "

@@ -7,7 +7,14 @@ node's /generate and feeding one queue:
 Whichever leg fails puts a `LegError` into the same queue, so the reader learns of the
 first failure of either leg at once and cancels the other (`cancel()`). Cancelling a leg
 task closes its HTTP connection, and a node aborts a request whose client went away, so
-that node frees the request's KV pages and slot.
+that node frees the request's KV pages and slot. Any other exception in a leg (building
+its body, sending, reading) also ends up in the queue as a LegError: a leg never dies
+silently, so the reader never waits for a leg that is gone.
+
+Blame: a decode node that cannot get the KV from its prefill node says so with the code
+`prefill_node_unavailable` (prefill not in the registry) or `prefill_failed` (heartbeat
+lost, transfer failed on the prefill side); that failure is charged to the prefill node,
+never to the decode node, and is retryable with another prefill node.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from pdserve.server.protocol import ApiError
 CLIENT_STATUSES = {400, 408, 413, 422}
 # Statuses a node answers before doing any work (busy, shutting down): try another node.
 REFUSED_STATUSES = {429, 503}
+# Decode-node error codes that name the prefill node as the cause (pdserve.server.frontend).
+PREFILL_FAULT_CODES = {"prefill_node_unavailable", "prefill_failed"}
 
 log = logging.getLogger("pdserve.router")
 LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
@@ -64,10 +73,11 @@ def status_error(node: NodeState, leg: str, resp: httpx.Response,
                  prefill: NodeState | None = None) -> LegError:
     message, code = _node_message(resp)
     status = resp.status_code
-    if prefill is not None and status in CLIENT_STATUSES and (
-            code == "prefill_node_unavailable" or repr(prefill.node_id) in message):
-        # The decode node refused our prefill node (gone from the registry since our last
-        # read, or incompatible): not the client's fault; another pair may well work.
+    if prefill is not None and code in PREFILL_FAULT_CODES:
+        return prefill_fault(node, prefill, message, code)
+    if prefill is not None and status in CLIENT_STATUSES and repr(prefill.node_id) in message:
+        # The decode node refused our prefill node as incompatible: not the client's
+        # fault, nor the prefill's health; another pair may well work.
         return LegError(prefill, "prefill", 503, f"decode node {node.node_id} cannot take "
                         f"KV from prefill node {prefill.node_id}: {message}", code,
                         retryable=True)
@@ -82,6 +92,23 @@ def status_error(node: NodeState, leg: str, resp: httpx.Response,
                     node_fault=True)
 
 
+def prefill_fault(decode: NodeState, prefill: NodeState, message: str,
+                  code: str | int | None) -> LegError:
+    """The decode node could not get the KV because of the prefill node: charge the prefill
+    (its breaker), and let the dispatcher try another prefill (no output was sent yet)."""
+    return LegError(prefill, "prefill", 503, f"decode node {decode.node_id} lost the KV of "
+                    f"prefill node {prefill.node_id}: {message}", code, retryable=True,
+                    node_fault=True)
+
+
+def unexpected_error(node: NodeState, leg: str, exc: BaseException) -> LegError:
+    """Anything but an HTTP error while building, sending or reading a leg (a bug, or a
+    value the JSON encoder refuses): end the request with a clear 502, never hang."""
+    log.error("%s leg to %s failed unexpectedly: %r", leg, node.node_id, exc)
+    return LegError(node, leg, 502, f"the router could not carry the {leg} leg to node "
+                    f"{node.node_id}: {type(exc).__name__}: {exc}", "router_leg_error")
+
+
 def transport_error(node: NodeState, leg: str, exc: httpx.HTTPError) -> LegError:
     where = f"{leg} node {node.node_id} ({node.url})"
     if isinstance(exc, httpx.ConnectError):  # refused: nothing listens there
@@ -93,10 +120,12 @@ def transport_error(node: NodeState, leg: str, exc: httpx.HTTPError) -> LegError
     return LegError(node, leg, 503, f"{where} failed mid-request: {exc!r}", node_fault=True)
 
 
-def inband_error(node: NodeState, err: object) -> LegError:
+def inband_error(node: NodeState, err: object, prefill: NodeState | None = None) -> LegError:
     """`data: {"error": {...}}` from the decode node after its 200 header."""
     msg = err.get("message", err) if isinstance(err, dict) else err
     code = err.get("code") if isinstance(err, dict) else None
+    if prefill is not None and code in PREFILL_FAULT_CODES:
+        return prefill_fault(node, prefill, str(msg), code)
     status = code if isinstance(code, int) and 400 <= code < 600 else 500
     return LegError(node, "decode", status, f"decode node {node.node_id}: {msg}", code)
 
@@ -124,8 +153,12 @@ class Legs:
         outcome = ["cancelled"]  # a task cancelled before it ran never sets it
         task = asyncio.create_task(self._leg(node, leg, body, outcome))
 
-        def done(_: asyncio.Task) -> None:
+        def done(t: asyncio.Task) -> None:
             node.inflight -= 1
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                # _leg catches everything; should that ever fail, the reader still learns.
+                outcome[0] = "error"
+                self.queue.put_nowait(unexpected_error(node, leg, exc))
             # A prefill leg still open when the decode leg has finished did its job (its
             # answer only trails the KV it sent): it is cancelled, but it succeeded.
             self.on_leg(node, "ok" if outcome[0] == "cancelled" and self.completed
@@ -148,15 +181,20 @@ class Legs:
             task.cancel()
 
     async def _leg(self, node: NodeState, leg: str, body: dict, outcome: list[str]) -> None:
-        error = await (self._prefill(node, body) if leg == "prefill"
-                       else self._decode(node, body))
-        outcome[0] = error.outcome if error else "ok"
+        try:
+            error = await (self._prefill(node, body) if leg == "prefill"
+                           else self._decode(node, body))
+        except Exception as exc:  # not an HTTP error: see unexpected_error
+            error = unexpected_error(node, leg, exc)
         if error is None:
+            outcome[0] = "ok"
             node.breaker.success()
             return
+        # A failure caused by the other node leaves this node's breaker alone.
+        outcome[0] = error.outcome if error.node is node else "peer_failed"
         if error.node_fault:
-            node.breaker.failure(error.hard)
-            node.last_error = error.message
+            error.node.breaker.failure(error.hard)
+            error.node.last_error = error.message
         if leg == "prefill" and self.decoding:
             # The decode node already has the KV (it is producing tokens): the prefill
             # node's late failure cannot hurt this request any more.
@@ -186,7 +224,7 @@ class Legs:
                         self.queue.put_nowait(DONE)
                         return None
                     if "error" in obj:
-                        return inband_error(node, obj["error"])
+                        return inband_error(node, obj["error"], self.prefill)
                     self.decoding = True
                     self.queue.put_nowait(obj)
         except httpx.HTTPError as exc:

@@ -11,6 +11,7 @@ import signal
 
 import uvicorn
 
+from pdserve.http_guard import guarded_protocol
 from pdserve.ports import check_port_free
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
@@ -56,6 +57,7 @@ async def _serve_async(cfg: RouterConfig, tokenizer: RouterTokenizer | None) -> 
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug"))
+        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug",
+        http=guarded_protocol(cfg.http_limits)))
     await server.serve()
     return 0

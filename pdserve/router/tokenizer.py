@@ -31,8 +31,11 @@ class RouterTokenizer:
         log.info("tokenizer of %s loaded (context length %d)", model, self.context_length)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        ids = (self.tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
-               else list(prompt))
+        try:
+            ids = (self.tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
+                   else list(prompt))
+        except (TypeError, ValueError) as exc:  # the client's text, not our bug
+            raise ApiError(400, f"cannot tokenize the prompt: {exc}") from exc
         self.check(ids)
         return ids
 

@@ -4,6 +4,7 @@ health, metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "code"}
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -19,8 +20,10 @@ from pdserve.server.protocol import (
     CompletionBody,
     GenerateBody,
     chat_prompt_ids,
+    fit_max_tokens,
 )
 
+log = logging.getLogger("pdserve.server")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
                413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
                499: "client_closed_request", 503: "service_unavailable"}
@@ -56,6 +59,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        # A bug, never client input: keep the error shape (not Starlette's plain text).
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
 
 def build_app(front: Frontend, lifespan=None) -> FastAPI:
     app = FastAPI(title="pdserve node", version="0.1.0", lifespan=lifespan)
@@ -90,6 +99,10 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         body.validate_input()
         ids = front.encode(body.text if body.text is not None else body.input_ids)
         sp = body.sampling_params.model_dump()
+        explicit = "max_new_tokens" in body.sampling_params.model_fields_set
+        sp["max_new_tokens"] = fit_max_tokens(
+            len(ids), sp["max_new_tokens"] if explicit else None, sp["max_new_tokens"],
+            front.context_length, front.cfg.truncate_max_tokens)
         extra = {k: v for k in ("bootstrap_room", "prefill_node_id")
                  if (v := getattr(body, k)) is not None}
         extra = await front.resolve_extra(extra)
@@ -116,9 +129,10 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         return await _openai(body, ids, request, "chat.completion")
 
     async def _openai(body, ids: list[int], request: Request, kind: str):
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        if max_tokens is None:
-            max_tokens = 16 if kind == "text_completion" else front.default_max_tokens(ids)
+        default = 16 if kind == "text_completion" else front.default_max_tokens(ids)
+        max_tokens = fit_max_tokens(
+            len(ids), getattr(body, "max_completion_tokens", None) or body.max_tokens,
+            default, front.context_length, front.cfg.truncate_max_tokens)
         sp = {"max_new_tokens": max_tokens, "temperature": body.temperature,
               "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
               "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.config import PDConfig
+from pdserve.http_guard import HttpLimits
 
 
 @dataclass(frozen=True)
@@ -18,9 +19,18 @@ class ServerConfig:
     max_queued_requests: int = 256  # waiting-queue bound; beyond it requests get 429
     request_timeout_s: float = 600.0  # whole-request bound; beyond it 408
     max_body_bytes: int = 4 << 20  # larger bodies get 413
+    # prompt + max_tokens beyond the context: clip max_tokens instead of answering 400
+    truncate_max_tokens: bool = False
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this; then 408
+    body_timeout_s: float = 30.0  # ... and its body within this after the headers
+    max_connections: int = 4096  # open HTTP connections; beyond it new ones get 503
     log_level: str = "info"
     role: str = "colocated"  # colocated | prefill | decode
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
 
     @property
     def model_name(self) -> str:
@@ -39,6 +49,17 @@ class ServerConfig:
                        help="time limit of one request; beyond it HTTP 408")
         g.add_argument("--max-body-bytes", type=int, default=4 << 20,
                        help="largest request body; beyond it HTTP 413")
+        g.add_argument("--truncate-max-tokens", action="store_true",
+                       help="when prompt + max_tokens exceed the model's context, clip "
+                            "max_tokens to what is left instead of answering HTTP 400")
+        g.add_argument("--header-timeout-s", type=float, default=10.0,
+                       help="a connection must send a request's complete headers within "
+                            "this many seconds, or it is answered 408 and closed")
+        g.add_argument("--body-timeout-s", type=float, default=30.0,
+                       help="a request body must arrive within this many seconds of its "
+                            "headers, or it is answered 408 and closed")
+        g.add_argument("--max-connections", type=int, default=4096,
+                       help="open HTTP connections; beyond it new ones get 503 and close")
         g.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
         EngineConfig.add_cli_args(p)
@@ -49,11 +70,15 @@ class ServerConfig:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
         if args.max_queued_requests < 1 or args.request_timeout_s <= 0:
             raise ValueError("--max-queued-requests and --request-timeout-s must be positive")
+        HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections)
         return cls(
             engine=EngineConfig.from_cli(args), host=args.host, port=args.port,
             served_model_name=args.served_model_name,
             max_queued_requests=args.max_queued_requests,
             request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
+            truncate_max_tokens=args.truncate_max_tokens,
+            header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+            max_connections=args.max_connections,
             log_level=args.log_level, role=role,
             pd=PDConfig.from_cli(args) if role != "colocated" else None,
         )

@@ -51,7 +51,10 @@ class Frontend:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            except (TypeError, ValueError) as exc:  # the client's text, not our bug
+                raise ApiError(400, f"cannot tokenize the prompt: {exc}") from exc
         else:
             ids = list(prompt)
         self.check_ids(ids)
@@ -105,7 +108,10 @@ class Frontend:
                 if u is None:  # client went away
                     return
                 if u.error:
-                    raise ApiError(500 if u.finish_reason == "error" else 503, u.error)
+                    # A prefill node's failure is not this node's: 503 with its code.
+                    status = 503 if u.error_code == "prefill_failed" or \
+                        u.finish_reason != "error" else 500
+                    raise ApiError(status, u.error, u.error_code)
                 now = time.perf_counter()
                 if u.new_ids:
                     if first is None:

@@ -13,11 +13,13 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 
 import uvicorn
 import zmq.asyncio
 
+from pdserve.http_guard import guarded_protocol
 from pdserve.ports import check_port_free
 from pdserve.server.api import build_app
 from pdserve.server.body_limit import BodyLimitMiddleware
@@ -42,6 +44,8 @@ def start_scheduler(cfg: ServerConfig, ipc_dir: str) -> tuple[mp.Process, str, s
 
 
 def stop_process(proc: mp.Process, timeout: float = 10) -> None:
+    if proc.pid is None:  # start-up failed before the process was started
+        return
     proc.join(timeout)
     if proc.is_alive():
         proc.terminate()
@@ -104,7 +108,17 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
         return 1
     client.start()
     front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
-    registry = _register(cfg, client, front) if cfg.pd is not None else None
+    registry = None
+    if cfg.pd is not None:
+        from pdserve.disagg.registration import RegistrationFailed
+
+        try:
+            registry = await asyncio.to_thread(_register, cfg, client, front)
+        except RegistrationFailed as exc:  # one clear line, no traceback
+            print(f"pdserve {cfg.role}: error: {exc}", file=sys.stderr, flush=True)
+            await client.close()
+            ctx.term()
+            return 1
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -117,7 +131,8 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     server = _Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug"))
+        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug",
+        http=guarded_protocol(cfg.http_limits)))
     log.info("serving %s (%s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
     await server.serve()
     ctx.term()

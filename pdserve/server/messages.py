@@ -49,6 +49,7 @@ class TokenUpdate:
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None  # e.g. "prefill_failed": who is to blame
 
 
 @dataclass

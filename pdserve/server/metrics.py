@@ -54,7 +54,8 @@ def _role_metrics(role: dict):
     t = role.get("transfer") or {}
     for key in ("bytes_sent", "bytes_received", "rooms_started", "rooms_succeeded",
                 "rooms_failed", "engine_calls", "engine_failures", "engine_recreations",
-                "bad_messages", "checksum_failures"):
+                "bad_messages", "checksum_failures", "late_writes_refused", "fenced_rooms",
+                "fenced_writes"):
         if key in t:
             yield CounterMetricFamily(f"pdserve_kv_transfer_{key}", f"KV transfer {key}",
                                       value=t[key])

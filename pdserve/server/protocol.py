@@ -6,14 +6,23 @@ live in `validate()` methods and raise `ApiError` with the OpenAI-shaped status.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from pdserve.plain_json import unsafe_reason
 
 # Every integer that crosses to the scheduler must fit msgpack's 64-bit ints (and torch).
+# Integers and booleans are strict, as OpenAI's are: "16", 16.0 or true is no max_tokens,
+# "yes" is no `stream`. Floats take ints but never strings, NaN or Infinity.
 I32 = 1 << 31
-Seed = Annotated[int, Field(ge=0, lt=1 << 63)]
-TokenId = Annotated[int, Field(ge=0, lt=I32)]
+Seed = Annotated[int, Field(strict=True, ge=0, lt=1 << 63)]
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=I32)]
+Count = Annotated[int, Field(strict=True, gt=0, lt=I32)]
+TopK = Annotated[int, Field(strict=True, ge=-1, lt=I32)]
+Temperature = Annotated[float, Field(strict=True, ge=0)]
+TopP = Annotated[float, Field(strict=True, gt=0, le=1)]
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ApiError(Exception):
@@ -22,29 +31,42 @@ class ApiError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
+class _PlainJson(BaseModel):
+    """Root of every request body: the raw input (extra fields included) must be plain
+    JSON, or it could not be forwarded, logged or echoed (see pdserve.plain_json)."""
+
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_json(cls, data: Any) -> Any:
+        if (reason := unsafe_reason(data)) is not None:
+            raise ValueError(reason)
+        return data
+
+
 class SamplingBody(BaseModel):
     """/generate `sampling_params` (SGLang names)."""
 
-    model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int = Field(128, gt=0, lt=I32)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, lt=I32)
+    model_config = _STRICT
+    max_new_tokens: Count = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     seed: Seed | None = None
 
 
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GenerateBody(_PlainJson):
     text: str | None = None
     input_ids: list[TokenId] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
-    stream: bool = False
+    stream: StrictBool = False
     rid: str | None = Field(None, max_length=128)
     # Internal fields of the PD legs (DESIGN §2); the router fills them in.
-    bootstrap_room: int | None = Field(None, ge=0, lt=1 << 63)
+    bootstrap_room: int | None = Field(None, strict=True, ge=0, lt=1 << 63)
     prefill_node_id: str | None = Field(None, max_length=256)
 
     def validate_input(self) -> None:
@@ -53,23 +75,25 @@ class GenerateBody(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(allow_inf_nan=False)
+    include_usage: StrictBool = False
 
 
-class _OpenAICommon(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored
+class _OpenAICommon(_PlainJson):
+    # Unknown OpenAI fields are ignored (but must still be plain JSON).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str
-    max_tokens: int | None = Field(None, gt=0, lt=I32)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, lt=I32)
+    max_tokens: Count | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     seed: Seed | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    ignore_eos: bool = False
+    n: int = Field(1, strict=True, ge=1)
+    ignore_eos: StrictBool = False
     logprobs: int | bool | None = None
 
     def check_common(self, served: str) -> None:
@@ -91,7 +115,7 @@ class _OpenAICommon(BaseModel):
 
 class CompletionBody(_OpenAICommon):
     prompt: str | list[TokenId] | list[str]
-    echo: bool = False
+    echo: StrictBool = False
 
     def prompt_input(self) -> str | list[int]:
         p = self.prompt
@@ -105,6 +129,7 @@ class CompletionBody(_OpenAICommon):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
@@ -133,4 +158,23 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 class ChatBody(_OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, gt=0, lt=I32)
+    max_completion_tokens: Count | None = None
+
+
+def fit_max_tokens(n_prompt: int, requested: int | None, default: int, context: int,
+                   truncate: bool) -> int:
+    """The completion budget of a request. A default is clipped to the context left after
+    the prompt; an explicit budget beyond it is a 400 naming the limit (vLLM and OpenAI
+    do the same), unless the server was started with `--truncate-max-tokens`."""
+    room = max(1, context - n_prompt)
+    if requested is None:
+        return min(default, room)
+    if n_prompt + requested > context:
+        if truncate:
+            return room
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. "
+                            f"However, you requested {n_prompt + requested} tokens "
+                            f"({n_prompt} in the prompt, {requested} for the completion). "
+                            "Please reduce the prompt or max_tokens.",
+                       "context_length_exceeded")
+    return requested

@@ -114,7 +114,8 @@ class SchedulerService:
     @staticmethod
     def _update(req, start: int, finish: str | None) -> dict:
         return {"rid": req.rid, "new_ids": req.output_ids[start:], "finish_reason": finish,
-                "cached_tokens": req.cached_tokens, "error": req.error}
+                "cached_tokens": req.cached_tokens, "error": req.error,
+                "error_code": req.error_code}
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,67 @@
+"""A node that cannot join the registry exits non-zero with one clear line (no traceback):
+a wrong token is refused at once; an unreachable registry is retried for
+`--registry-wait-s`, then given up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from pd_procs import Proc, Registry, free_port
+
+MODEL = "tiny-llama"
+EXIT_BOUND_S = 240  # start-up (model load, scheduler process) on a loaded machine
+
+
+def node_cmd(registry_url: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", "prefill", "--model", MODEL, "--registry",
+            registry_url, "--port", str(free_port()), "--transfer-backend", "tcp",
+            "--log-level", "warning", *flags]
+
+
+def run_to_exit(proc: Proc) -> int:
+    proc.spawn()
+    try:
+        return proc.proc.wait(EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the node did not exit within {EXIT_BOUND_S}s:\n{proc.log()}")
+    finally:
+        proc.stop()
+
+
+def error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("pdserve prefill: error:")]
+
+
+def test_wrong_registry_token_exits_with_one_clear_line(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("t")
+    registry = Registry(tmp_path)
+    registry.cmd += ["--token", "the-right-token"]
+    registry.start()
+    try:
+        node = Proc("n1", node_cmd(registry.url, "--registry-token", "wrong"),
+                    tmp_path)
+        t0 = time.monotonic()
+        rc = run_to_exit(node)
+        log = node.log(20000)
+        assert rc != 0, log
+        lines = error_lines(log)
+        assert len(lines) == 1 and "refused" in lines[0] and "401" in lines[0], log
+        assert "Traceback" not in log, log
+        assert time.monotonic() - t0 < EXIT_BOUND_S
+    finally:
+        registry.stop()
+
+
+def test_unreachable_registry_exits_after_the_wait(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("r")  # short: the node's IPC paths live below it
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    node = Proc("n2", node_cmd(nowhere, "--registry-wait-s", "3"), tmp_path)
+    rc = run_to_exit(node)
+    log = node.log(20000)
+    assert rc != 0, log
+    lines = error_lines(log)
+    assert len(lines) == 1 and "within 3s" in lines[0] and nowhere in lines[0], log
+    assert "Traceback" not in log, log

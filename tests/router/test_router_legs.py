@@ -1,0 +1,164 @@
+"""No leg is ever lost: a failure injected while building, sending or reading either leg
+ends the client's request with a clear error within a bound and frees its queue slot.
+And blame: a decode node's `prefill_node_unavailable` / `prefill_failed` is charged to the
+prefill node and retried on another one. The nodes are httpx.MockTransport doubles; the
+router parts (Legs, Dispatcher, Flow, Admission, breakers) are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from test_router_units import record
+
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.flow import Flow
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.nodes import NodeTable
+from pdserve.router.watcher import RegistryWatcher
+from pdserve.server.protocol import ApiError
+
+BOUND_S = 30.0  # generous: the machine is shared; a lost leg would wait forever
+GOOD_EVENT = {"text": "a", "output_ids": [5], "meta_info": {
+    "id": "x", "prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0,
+    "finish_reason": "length"}}
+
+
+def sse_body() -> bytes:
+    return f"data: {json.dumps(GOOD_EVENT)}\n\ndata: [DONE]\n\n".encode()
+
+
+class BrokenStream(httpx.AsyncByteStream):
+    """A decode stream that yields one event, then fails with a non-HTTP error."""
+
+    async def __aiter__(self):
+        partial = {**GOOD_EVENT, "meta_info": {**GOOD_EVENT["meta_info"], "finish_reason": None}}
+        yield f"data: {json.dumps(partial)}\n\n".encode()
+        raise ValueError("injected read failure")
+
+
+def make(handler, prefills=("p0",), decodes=("d0",)):
+    cfg = RouterConfig(dispatch_attempts=3, request_timeout_s=120)
+    table = NodeTable(cfg, model="tiny-llama")
+    table.update([record(n, "prefill") for n in prefills] +
+                 [record(n, "decode") for n in decodes])
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    watcher = RegistryWatcher(cfg, table, lambda: None)
+    metrics = RouterMetrics()
+    disp = Dispatcher(cfg, table, watcher, http, lambda n, o: None, metrics.retries.inc)
+    admission = Admission(4, 4, 10)
+    return Flow("r1", [1, 2, 3], {"max_new_tokens": 1}, admission, disp, metrics, 120), \
+        admission, table, watcher
+
+
+async def run_flow(handler, **kw):
+    """Start a flow and drain it; returns (the error or None, admission, table)."""
+    flow, admission, table, watcher = make(handler, **kw)
+    err = None
+    try:
+        await asyncio.wait_for(flow.start(), BOUND_S)
+        async for ev in flow.events():
+            if isinstance(ev, ApiError):
+                err = ev
+    except ApiError as exc:
+        err = exc
+    finally:
+        flow.close()
+        await flow.dispatcher.http.aclose()
+        watcher.close()
+    return err, admission, table
+
+
+def role_of(request: httpx.Request) -> str:
+    return "decode" if json.loads(request.content).get("stream") else "prefill"
+
+
+def node_of(request: httpx.Request) -> str:
+    return request.url.path.split("/")[1]
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_leg_that_raises_while_sending_ends_the_request(where):
+    def handler(request):
+        if role_of(request) == where:
+            raise RuntimeError("injected send failure")
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, content=sse_body())
+
+    err, admission, _ = asyncio.run(asyncio.wait_for(run_flow(handler), BOUND_S))
+    if where == "prefill":  # the decode leg already finished: the prefill did its job
+        assert err is None or err.status == 502
+    else:
+        assert err is not None and err.status == 502
+        assert "injected send failure" in err.message and "decode leg" in err.message
+    assert admission.running == 0
+
+
+def test_a_leg_body_the_encoder_refuses_ends_the_request():
+    """Building a leg fails (a non-finite float slipped past validation)."""
+    def handler(request):  # never reached: encoding fails first
+        return httpx.Response(200, content=sse_body())
+
+    async def go():
+        flow, admission, table, watcher = make(handler)
+        flow.sampling = {"temperature": float("inf")}
+        try:
+            with pytest.raises(ApiError) as info:
+                await asyncio.wait_for(flow.start(), BOUND_S)
+        finally:
+            flow.close()
+            await flow.dispatcher.http.aclose()
+            watcher.close()
+        return info.value, admission
+
+    err, admission = asyncio.run(go())
+    assert err.status == 502 and "router could not carry" in err.message
+    assert admission.running == 0
+
+
+def test_a_decode_stream_that_fails_mid_read_ends_the_request():
+    def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, stream=BrokenStream())
+
+    err, admission, _ = asyncio.run(asyncio.wait_for(run_flow(handler), BOUND_S))
+    assert err is not None and err.status == 502 and "injected read failure" in err.message
+    assert admission.running == 0
+
+
+@pytest.mark.parametrize("status,code", [(503, "prefill_node_unavailable"),
+                                         (503, "prefill_failed"),
+                                         (500, "prefill_failed")])
+def test_prefill_faults_reported_by_decode_blame_the_prefill_and_retry(status, code):
+    """p0 is broken as the decode reports; the request succeeds on p1, p0's breaker counts
+    the failure and the decode node's breaker is untouched."""
+    def handler(request):
+        node = node_of(request)
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        if json.loads(request.content)["prefill_node_id"] == "p0":
+            return httpx.Response(status, json={"error": {
+                "message": "prefill peer heartbeat lost", "type": "x", "code": code}})
+        assert node == "d0"
+        return httpx.Response(200, content=sse_body())
+
+    async def go():
+        results = []
+        for _ in range(6):  # p0 or p1 first, at random: p0 is hit at least once
+            results.append(await run_flow(handler, prefills=("p0", "p1")))
+        return results
+
+    results = asyncio.run(asyncio.wait_for(go(), 4 * BOUND_S))
+    assert all(err is None for err, _, _ in results), [r[0] for r in results]
+    failures = [t.nodes["p0"].breaker.consecutive for _, _, t in results]
+    assert any(failures), "p0 was never tried; the test proves nothing"
+    for _, admission, table in results:
+        assert table.nodes["d0"].breaker.consecutive == 0
+        assert table.nodes["d0"].breaker.state == "closed"
+        assert admission.running == 0
