@@ -27,6 +27,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     disable_prefix_cache: bool = False
     disable_overlap: bool = False
+    consecutive_prefill: str = "overlap"  # overlap | sync (overlap loop, not on prefill nodes)
     decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
     seed: int = 0
     model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
@@ -40,6 +41,9 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size must be >= 0 and max_prefill_tokens >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.consecutive_prefill not in ("overlap", "sync"):
+            raise ValueError("consecutive_prefill must be overlap or sync, got "
+                             f"{self.consecutive_prefill!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -90,6 +94,10 @@ _HELP = {
     "schedule_policy": "fcfs or lpm (longest prefix match first)",
     "disable_prefix_cache": "turn the radix prefix cache off",
     "disable_overlap": "use the normal loop instead of the overlapped one",
+    "consecutive_prefill": "overlap loop, a prefill batch right after a prefill batch: "
+                           "'overlap' launches it before the previous result is processed, "
+                           "'sync' processes that result first (its first tokens go out "
+                           "before the next prefill runs); prefill nodes always overlap",
     "decode_reserve_tokens": "KV tokens reserved per running request for future decode steps",
     "seed": "seed of the engine's sampler for unseeded requests",
     "model_cache_dir": "where built-in models are converted/generated (default: user cache)",

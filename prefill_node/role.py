@@ -36,6 +36,7 @@ log = logging.getLogger("pdserve.prefill")
 
 class PrefillRole(Role):
     name = "prefill"
+    overlap_every_prefill = True  # launch N+1, then process N (first token, KV sends)
 
     def __init__(self, transfer: KVTransferConfig, model_name: str, early_send: bool = True):
         self.transfer_cfg = transfer

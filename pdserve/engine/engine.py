@@ -61,7 +61,8 @@ class Engine:
                                    self.role)
         if cfg.overlap:
             self.executor = ThreadedExecutor(runner)
-            self.loop = OverlapLoop(self.sched, self.executor, self.out)
+            sync = cfg.consecutive_prefill == "sync" and not self.role.overlap_every_prefill
+            self.loop = OverlapLoop(self.sched, self.executor, self.out, sync)
         else:
             self.executor = InlineExecutor(runner)
             self.loop = NormalLoop(self.sched, self.executor, self.out)
