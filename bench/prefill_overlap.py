@@ -241,12 +241,14 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=128, help="max_prefill_tokens")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=0, help="passes per loop "
+                        "(default: 5 with --quick, else 3)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = args.models or ("tiny-llama" if args.quick else "tiny-llama,smollm2-135m")
     args.num_prompts = 32 if args.quick else 64
     args.out_len = 8
-    repeats = 5 if args.quick else 7
+    repeats = args.repeats or (5 if args.quick else 3)
     rows, summary = [], {}
     for model in models.split(","):
         args.model = model
