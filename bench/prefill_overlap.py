@@ -232,6 +232,35 @@ def run_colocated(args, prompts, repeats: int) -> list[dict]:
             for p in engines]
 
 
+def summarize(model: str, pd: list[dict], colo: list[dict]) -> dict:
+    tag = "tiny" if model == "tiny-llama" else model.split("-")[0]
+    (o, y, n), (s, v) = pd, colo
+    # If the scheduler thread never contended with the forward (GIL, cores), a batch would
+    # cost max(scheduler, forward) instead of their sum.
+    sc, fw = n["sched_cpu_ms_per_batch"], n["fwd_cpu_ms_per_batch"]
+    out = {"prompt_tok_s_ratio": paired_ratio(o, n, "prompt_tok_s"),
+           "prompt_tok_s_ratio_vs_sync": paired_ratio(o, y, "prompt_tok_s"),
+           "kv_complete_ratio_normal_over_overlap": paired_ratio(n, o, "kv_complete_mean_ms"),
+           "ideal_ratio": round((sc + fw) / max(sc, fw), 3),
+           "colocated_ttft_sync_over_overlap": round(s["ttft_mean_ms"] / v["ttft_mean_ms"], 3),
+           "colocated_tok_s_overlap_over_sync": round(v["prompt_tok_s"] / s["prompt_tok_s"], 3)}
+    for name, r in (("overlap", o), ("overlap_sync", y), ("normal", n)):
+        out[f"prompt_tok_s_{name}"] = round(r["prompt_tok_s"])
+        out[f"kv_complete_mean_ms_{name}"] = round(r["kv_complete_mean_ms"], 1)
+        out[f"hidden_share_{name}"] = round(r["hidden_share"], 3)
+    return {f"{k}_{tag}": v for k, v in out.items()}
+
+
+def print_rows(rows: list[dict]) -> None:
+    print_table([r for r in rows if r["node"] == "prefill"],
+                ["model", "loop", "prompt_tok_s", "kv_complete_mean_ms", "kv_complete_p50_ms",
+                 "kv_complete_p99_ms", "hidden_share", "proc_ms_per_batch",
+                 "proc_cpu_ms_per_batch", "sched_cpu_ms_per_batch", "fwd_cpu_ms_per_batch",
+                 "batches"])
+    print_table([r for r in rows if r["node"] == "colocated"],
+                ["model", "loop", "ttft_mean_ms", "ttft_p50_ms", "prompt_tok_s", "wall_s"])
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", default="", help="default: tiny-llama (--quick) or "
@@ -240,13 +269,15 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128, help="chunked_prefill_size")
     parser.add_argument("--batch-tokens", type=int, default=128, help="max_prefill_tokens")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--num-prompts", type=int, default=0, help="default: 32 with "
+                        "--quick, else 64")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=0, help="passes per loop "
                         "(default: 5 with --quick, else 3)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = args.models or ("tiny-llama" if args.quick else "tiny-llama,smollm2-135m")
-    args.num_prompts = 32 if args.quick else 64
+    args.num_prompts = args.num_prompts or (32 if args.quick else 64)
     args.out_len = 8
     repeats = args.repeats or (5 if args.quick else 3)
     rows, summary = [], {}
@@ -258,39 +289,10 @@ def main() -> None:
         pd = run_pd(args, prompts, repeats)
         colo = run_colocated(args, prompts, repeats)
         rows += pd + colo
-        tag = "tiny" if model == "tiny-llama" else model.split("-")[0]
-        o, y, n = pd
-        summary[f"prompt_tok_s_ratio_{tag}"] = paired_ratio(o, n, "prompt_tok_s")
-        summary[f"prompt_tok_s_ratio_vs_sync_{tag}"] = paired_ratio(o, y, "prompt_tok_s")
-        summary[f"kv_complete_ratio_normal_over_overlap_{tag}"] = paired_ratio(
-            n, o, "kv_complete_mean_ms")
-        # If the scheduler thread never contended with the forward (GIL, cores): a batch
-        # would cost max(scheduler, forward) instead of their sum.
-        sc, fw = n["sched_cpu_ms_per_batch"], n["fwd_cpu_ms_per_batch"]
-        summary[f"ideal_ratio_{tag}"] = round((sc + fw) / max(sc, fw), 3)
-        summary[f"prompt_tok_s_overlap_sync_{tag}"] = round(y["prompt_tok_s"])
-        summary[f"kv_complete_mean_ms_overlap_sync_{tag}"] = round(y["kv_complete_mean_ms"], 1)
-        summary[f"hidden_share_overlap_sync_{tag}"] = round(y["hidden_share"], 3)
-        summary[f"prompt_tok_s_overlap_{tag}"] = round(o["prompt_tok_s"])
-        summary[f"prompt_tok_s_normal_{tag}"] = round(n["prompt_tok_s"])
-        summary[f"kv_complete_mean_ms_overlap_{tag}"] = round(o["kv_complete_mean_ms"], 1)
-        summary[f"kv_complete_mean_ms_normal_{tag}"] = round(n["kv_complete_mean_ms"], 1)
-        summary[f"hidden_share_overlap_{tag}"] = round(o["hidden_share"], 3)
-        summary[f"hidden_share_normal_{tag}"] = round(n["hidden_share"], 3)
-        s, v = colo[0], colo[1]
-        summary[f"colocated_ttft_sync_over_overlap_{tag}"] = round(
-            s["ttft_mean_ms"] / v["ttft_mean_ms"], 3)
-        summary[f"colocated_tok_s_overlap_over_sync_{tag}"] = round(
-            v["prompt_tok_s"] / s["prompt_tok_s"], 3)
-        print(f"  {model}: prefill overlap/normal tok/s {summary[f'prompt_tok_s_ratio_{tag}']}")
-    print_table([r for r in rows if r["node"] == "prefill"],
-                ["model", "loop", "prompt_tok_s", "kv_complete_mean_ms", "kv_complete_p50_ms",
-                 "kv_complete_p99_ms", "hidden_share", "proc_ms_per_batch", "proc_cpu_ms_per_batch",
-                 "sched_cpu_ms_per_batch", "fwd_cpu_ms_per_batch", "batches"])
-    print_table([r for r in rows if r["node"] == "colocated"],
-                ["model", "loop", "ttft_mean_ms", "ttft_p50_ms", "prompt_tok_s", "wall_s"])
+        summary.update(summarize(model, pd, colo))
+        print_rows(pd + colo)  # each model as soon as it is done
+        write_json(args.out, summary, rows, args)
     print("summary:", summary)
-    write_json(args.out, summary, rows, args)
 
 
 if __name__ == "__main__":

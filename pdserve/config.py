@@ -27,7 +27,11 @@ class EngineConfig:
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     disable_prefix_cache: bool = False
     disable_overlap: bool = False
-    consecutive_prefill: str = "overlap"  # overlap | sync (overlap loop, not on prefill nodes)
+    # overlap | sync: the overlap loop before a prefill batch that follows a prefill batch.
+    # sync by measurement on CPU colocated nodes (bench/prefill_overlap.py, tiny-llama:
+    # overlapping them gave lower tokens/s in 7 of 7 runs and no TTFT gain; smollm2-135m:
+    # no difference beyond noise). A prefill node always overlaps.
+    consecutive_prefill: str = "sync"
     decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
     seed: int = 0
     model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
@@ -97,7 +101,7 @@ _HELP = {
     "consecutive_prefill": "overlap loop, a prefill batch right after a prefill batch: "
                            "'overlap' launches it before the previous result is processed, "
                            "'sync' processes that result first (its first tokens go out "
-                           "before the next prefill runs); prefill nodes always overlap",
+                           "before the next prefill runs; default). Prefill nodes always overlap",
     "decode_reserve_tokens": "KV tokens reserved per running request for future decode steps",
     "seed": "seed of the engine's sampler for unseeded requests",
     "model_cache_dir": "where built-in models are converted/generated (default: user cache)",
