@@ -29,8 +29,9 @@ class EngineConfig:
     disable_overlap: bool = False
     # overlap | sync: the overlap loop before a prefill batch that follows a prefill batch.
     # sync by measurement on CPU colocated nodes (bench/prefill_overlap.py, tiny-llama:
-    # overlapping them gave lower tokens/s in 7 of 7 runs and no TTFT gain; smollm2-135m:
-    # no difference beyond noise). A prefill node always overlaps.
+    # overlapping them gave lower tokens/s in 6 of 8 runs, median 0.90x, and no TTFT gain,
+    # median ratio 1.0; smollm2-135m: no difference beyond noise). A prefill node always
+    # overlaps.
     consecutive_prefill: str = "sync"
     decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
     seed: int = 0
