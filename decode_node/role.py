@@ -3,10 +3,12 @@
 1. Arrival. The /generate leg carries `bootstrap_room` and the prefill node's KV endpoint
    (the HTTP front looked `prefill_node_id` up in the registry and checked the layout).
    A KVReceiver is made for the room; the request waits in the pre-allocation queue.
-2. Pre-allocation. In arrival order, a request is admitted only when its prompt pages
-   plus the decode reservation of everything running fit (else it waits: back-pressure,
-   never failure). It gets a request slot, its prompt pages (a cached prefix is reused
-   and not transferred) and a metadata slot; `init` tells the prefill where to write.
+2. Pre-allocation. In arrival order, a request is admitted only when the scheduler's
+   admission rule (`Scheduler.can_admit`) lets it: its prompt pages plus the decode
+   reservation of everything running or transferring, and the pages that retracted
+   requests wait for (else it waits: back-pressure, never failure). It gets a request
+   slot, its prompt pages (a cached prefix is reused and not transferred) and a metadata
+   slot; `init` tells the prefill where to write.
 3. Transfer queue. The receiver is polled. Success: the metadata row's room stamp is
    checked, the first token is committed, and the request joins the running batch as
    already prefilled (it never runs prefill here). Failed: the request ends with the
@@ -88,14 +90,14 @@ class DecodeRole(Role):
             self.transferring.append(req)
 
     def _try_allocate(self, req) -> bool:
+        """Pre-allocate under the scheduler's admission rule, with the requests still
+        transferring counted as soon-to-run; while retracted requests wait for pages the
+        rule keeps those pages for them (no new pre-allocation takes them)."""
         eng = self.engine
-        busy = len(eng.sched.running) + len(self.transferring)
+        busy = len(eng.sched.running) + len(eng.sched.waiting) + len(self.transferring)
         if busy >= eng.cfg.max_running_requests or self.meta.num_free == 0:
             return False
-        need = eng.kv.pages_for(req, len(req.prompt_ids)) + eng.sched._reserved_pages()
-        need += -(-min(req.params.max_new_tokens, eng.cfg.decode_reserve_tokens)
-                  // eng.cfg.page_size)
-        if need > eng.kv.available_pages:
+        if not eng.sched.can_admit(req, len(req.prompt_ids), handover=self.transferring):
             return False
         req.fill_ids = list(req.prompt_ids)
         if not eng.kv.admit(req):

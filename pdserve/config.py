@@ -28,6 +28,12 @@ class EngineConfig:
     disable_prefix_cache: bool = False
     loop: str = "auto"  # auto | overlap | normal (see pdserve/engine/loop_choice.py)
     disable_overlap: bool = False  # same as loop="normal" (SGLang's flag name)
+    # overlap | sync: the overlap loop before a prefill batch that follows a prefill batch.
+    # sync by measurement on CPU colocated nodes (bench/prefill_overlap.py, tiny-llama:
+    # overlapping them gave lower tokens/s in 6 of 8 runs, median 0.90x, and no TTFT gain,
+    # median ratio 1.0; smollm2-135m: no difference beyond noise). A prefill node always
+    # overlaps.
+    consecutive_prefill: str = "sync"
     decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
     seed: int = 0
     model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
@@ -41,6 +47,9 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size must be >= 0 and max_prefill_tokens >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.consecutive_prefill not in ("overlap", "sync"):
+            raise ValueError("consecutive_prefill must be overlap or sync, got "
+                             f"{self.consecutive_prefill!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
         if self.loop not in ("auto", "overlap", "normal"):
@@ -96,6 +105,10 @@ _HELP = {
     "loop": "scheduling loop: overlap (CPU builds batch N+1 while N runs), normal, or auto "
             "(overlap on GPUs and when a CPU core is free for the scheduler, else normal)",
     "disable_overlap": "use the normal loop (same as --loop normal)",
+    "consecutive_prefill": "overlap loop, a prefill batch right after a prefill batch: "
+                           "'overlap' launches it before the previous result is processed, "
+                           "'sync' processes that result first (its first tokens go out "
+                           "before the next prefill runs; default). Prefill nodes always overlap",
     "decode_reserve_tokens": "KV tokens reserved per running request for future decode steps",
     "seed": "seed of the engine's sampler for unseeded requests",
     "model_cache_dir": "where built-in models are converted/generated (default: user cache)",

@@ -7,12 +7,14 @@
    enters the waiting queue.
 3. Admission. Prefix pages already valid in the radix cache go out at once (early send),
    except pages a host-tier load is still writing (`loading_pages`).
-4. Chunks. Scheduling a chunk records `tmp_end_idx` and counts an in-flight middle chunk;
-   processing its result (the forward is then known complete) sends the whole pages it
-   finished. Results of chunks whose request was aborted meanwhile are dropped.
-5. Last chunk. The first token is sampled; the rest of the pages (partial last page too)
-   go out with the metadata row (room, first token). The request moves to the inflight
-   queue, still holding its KV.
+4. Chunks. Scheduling a chunk records its `tmp_end_idx` and counts an in-flight middle
+   chunk; processing its result (the forward is then known complete) sends the whole pages
+   it finished, as `SendProgress` decides. Under the overlap loop that processing runs while
+   the next batch's forward runs, and two chunks of one request may be in flight at once.
+   Results of chunks whose request was aborted meanwhile are dropped.
+5. Last chunk. The first token is sampled; the request moves to the inflight queue, still
+   holding its KV, and the rest of the pages (partial last page too) go out with the
+   metadata row (room, first token).
 6. Inflight. The sender is polled until Success (done; KV goes to the prefix cache) or
    Failed (the error is reported); then the KV and metadata slot are freed.
 Abort or failure at any stage aborts the sender (so the decode leg fails fast) and frees
@@ -34,6 +36,7 @@ log = logging.getLogger("pdserve.prefill")
 
 class PrefillRole(Role):
     name = "prefill"
+    overlap_every_prefill = True  # launch N+1, then process N (first token, KV sends)
 
     def __init__(self, transfer: KVTransferConfig, model_name: str, early_send: bool = True):
         self.transfer_cfg = transfer
@@ -114,19 +117,29 @@ class PrefillRole(Role):
     # 4. chunks ------------------------------------------------------------------------------
     def on_extend_scheduled(self, batch) -> None:
         for row in batch.rows:
-            row.req.progress.chunk_scheduled(row.start + row.q_len, last=bool(row.future_id))
+            end = row.start + row.q_len
+            if bool(row.future_id) != (end == len(row.req.prompt_ids)):
+                raise RuntimeError(f"row of {row.req.rid} ends at {end} but samples="
+                                   f"{bool(row.future_id)}")
+            row.req.progress.chunk_scheduled(end)
 
     def on_extend_processed(self, batch) -> None:
+        """The batch's forward is done: each row's chunk is sent as the bookkeeping decides
+        (runs while the next batch's forward runs, under the overlap loop)."""
         for row in batch.rows:
-            if row.future_id:  # last chunks are sent in step 5
-                continue
             req = row.req
-            pages = req.progress.chunk_done(row.start + row.q_len, last=False,
-                                            aborted=req.finished)
-            self._send(req, pages)
+            aborted = req.finish_reason in ("abort", "error")
+            pages, last = req.progress.chunk_done(aborted, row_end=row.start + row.q_len)
+            if last and not aborted:  # 5. the first token is known now
+                row_bytes = pack_row(req.room, req.output_ids[0])
+                req.sender.send([req.pages[p] for p in pages], last=True, metadata=row_bytes)
+            else:
+                self._send(req, pages)
 
     # 5. last chunk (and every other end) ------------------------------------------------------
     def hold_on_finish(self, req) -> bool:
+        """A normal finish happens while the last chunk's result is processed; its pages
+        and metadata row go out right after, in `on_extend_processed`."""
         if req in self.bootstrap:  # no KV yet
             self.bootstrap.remove(req)
             req.sender.abort(req.error or "aborted")
@@ -135,10 +148,6 @@ class PrefillRole(Role):
             self.live.remove(req)
         if req.finish_reason in ("abort", "error"):
             req.sender.abort(req.error or req.finish_reason)
-        else:
-            pages = req.progress.chunk_done(len(req.prompt_ids), last=True, aborted=False)
-            row = pack_row(req.room, req.output_ids[0])
-            req.sender.send([req.pages[p] for p in pages], last=True, metadata=row)
         self.inflight.append(req)
         return True
 

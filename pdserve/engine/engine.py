@@ -64,7 +64,8 @@ class Engine:
         log.info("scheduling loop: %s (%s)", self.loop_choice.loop, self.loop_choice.reason)
         if self.loop_choice.overlap:
             self.executor = ThreadedExecutor(runner)
-            self.loop = OverlapLoop(self.sched, self.executor, self.out)
+            sync = cfg.consecutive_prefill == "sync" and not self.role.overlap_every_prefill
+            self.loop = OverlapLoop(self.sched, self.executor, self.out, sync)
         else:
             self.executor = InlineExecutor(runner)
             self.loop = NormalLoop(self.sched, self.executor, self.out)

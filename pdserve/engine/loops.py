@@ -5,9 +5,12 @@ normal:  schedule -> run -> process result. The device idles while the CPU proce
 overlap: schedule N+1 and launch it, then process the result of N while N+1 runs.
          `results` holds (batch snapshot, handle) pairs; its depth is at most 2 right after
          a launch and 1 between steps. Overlap is skipped for one batch when the scheduler
-         needs every in-flight result first (retraction), or for back-to-back prefill batches
-         (the first prefill's tokens then reach the client before the second prefill runs);
-         each skip is counted by reason.
+         needs every in-flight result first (retraction), or, when `sync_consecutive_prefill`
+         is set, for a prefill batch right after a prefill batch (the first prefill's tokens
+         then reach the client before the second prefill runs); each skip is counted by
+         reason. A prefill node never sets it: every batch there is a prefill, and its result
+         processing (first tokens, KV sends) is the work that must hide behind the next
+         forward (docs/architecture.md, overlap scheduling).
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ class NormalLoop:
 
 
 class OverlapLoop:
-    def __init__(self, sched: Scheduler, executor: ThreadedExecutor,
-                 out: OutputProcessor) -> None:
+    def __init__(self, sched: Scheduler, executor: ThreadedExecutor, out: OutputProcessor,
+                 sync_consecutive_prefill: bool = False) -> None:
         self.sched, self.executor, self.out = sched, executor, out
+        self.sync_consecutive_prefill = sync_consecutive_prefill
         self.results: deque[tuple[Batch, ResultHandle]] = deque()
         self.stats = LoopStats()
         self.max_depth = 0
@@ -68,7 +72,8 @@ class OverlapLoop:
             self.stats.overlap_disabled["retract"] += 1
             self._process_all()
             batch = self.sched.next_batch(in_flight=False)
-        if batch is not None and batch.kind == "extend" and self._last_kind() == "extend":
+        if (self.sync_consecutive_prefill and batch is not None and batch.kind == "extend"
+                and self._last_kind() == "extend"):
             self.stats.overlap_disabled["consecutive_prefill"] += 1
             self._process_all()
         if batch is not None:

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 class Role:
     name = "colocated"
+    # True: the overlap loop never syncs before a prefill batch that follows a prefill
+    # batch, whatever `consecutive_prefill` says (the prefill role: all its batches are).
+    overlap_every_prefill = False
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine

@@ -10,7 +10,9 @@ processes those results first.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from collections.abc import Iterable
 
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import Batch, Row, pack_batch
@@ -77,15 +79,40 @@ class Scheduler:
             self.role.on_extend_scheduled(batch)
         return batch
 
-    # -- prefill ------------------------------------------------------------------------
-    def _reserved_pages(self) -> int:
-        """Pages kept back for the next decode steps of requests already running."""
-        ps, total = self.kv.page_size, 0
-        for r in self.running:
-            left = r.params.max_new_tokens - r.launched_outputs
-            total += -(-min(left, self.cfg.decode_reserve_tokens) // ps)
+    # -- admission (the scheduler's own and the decode role's pre-allocation) -------------
+    def _decode_reserve(self, req: Req) -> int:
+        """Pages kept back for the next decode steps of `req` (up to decode_reserve_tokens)."""
+        left = max(0, req.params.max_new_tokens - max(req.launched_outputs, len(req.output_ids)))
+        return -(-min(left, self.cfg.decode_reserve_tokens) // self.kv.page_size)
+
+    def reserved_pages(self, handover: Iterable[Req] = (), for_new: bool = True) -> int:
+        """Pages already promised, which admitting another request must leave obtainable:
+        - the next decode steps of every running request and of `handover` (requests a role
+          will hand to the running batch, e.g. the decode role's KV transfers);
+        - the remaining chunks of partly prefilled requests;
+        - with `for_new`, the whole re-prefill plus decode reservation of retracted requests
+          waiting for pages: a request that never ran must not take the pages they wait
+          for, or under KV pressure new arrivals would starve them."""
+        total = sum(self._decode_reserve(r) for r in itertools.chain(self.running, handover))
+        total += sum(self.kv.pages_for(r, len(r.fill_ids)) for r in self.running
+                     if not r.prefill_done)
+        if for_new:
+            total += sum(self.kv.pages_for(r, len(r.prompt_ids) + len(r.output_ids))
+                         + self._decode_reserve(r) for r in self.waiting if r.retractions)
         return total
 
+    def admission_pages(self, req: Req, fill_len: int, handover: Iterable[Req] = ()) -> int:
+        """Pages that must be obtainable to admit `req` with `fill_len` positions to compute
+        or receive: its own pages and decode reservation on top of `reserved_pages`. The one
+        admission rule of the node, used by the scheduler and by the decode role. Retracted
+        requests among themselves go in queue order (never charged each other's pages)."""
+        others = self.reserved_pages(handover, for_new=req.retractions == 0)
+        return self.kv.pages_for(req, fill_len) + self._decode_reserve(req) + others
+
+    def can_admit(self, req: Req, fill_len: int, handover: Iterable[Req] = ()) -> bool:
+        return self.admission_pages(req, fill_len, handover) <= self.kv.available_pages
+
+    # -- prefill ------------------------------------------------------------------------
     def _extend_rows(self) -> list[Row]:
         budget = self.cfg.max_prefill_tokens
         chunk = self.cfg.chunked_prefill_size or 1 << 62
@@ -120,24 +147,11 @@ class Scheduler:
             budget -= row.q_len
         return rows
 
-    def _prefill_pages_owed(self) -> int:
-        """Pages that admitted, partly prefilled requests still need for their chunks."""
-        return sum(self.kv.pages_for(r, len(r.fill_ids)) for r in self.running
-                   if not r.prefill_done)
-
-    def _admission_pages(self, req: Req) -> int:
-        """A new request is charged its whole prompt and its own decode reservation, on top
-        of what running requests are owed: admitting it can then never starve them."""
-        own = -(-min(req.params.max_new_tokens - len(req.output_ids),
-                     self.cfg.decode_reserve_tokens) // self.kv.page_size)
-        return (self.kv.pages_for(req, len(req.fill_ids)) + own + self._reserved_pages()
-                + self._prefill_pages_owed())
-
     def _extend_row(self, req: Req, limit: int) -> Row | None:
         q_len = min(req.remaining_prefill, limit)
         start = req.kv_len
         new = req.state is ReqState.WAITING
-        if new and self.running and self._admission_pages(req) > self.kv.available_pages:
+        if new and self.running and not self.can_admit(req, len(req.fill_ids)):
             return None
         if self.kv.extend(req, start + q_len) is None:
             return None
@@ -187,10 +201,13 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def _retract_until_fits(self, decoding: list[Req]) -> list[Req]:
-        """Move the newest requests back to waiting until the rest can take one more token.
-        Only called with no batch in flight, so every output is known and no page is read."""
+        """Move requests back to waiting until the rest can take one more token: the newest
+        of those retracted least often, so a request that was retracted already is not the
+        victim again while others can go (it must finish within bounded steps). Only called
+        with no batch in flight, so every output is known and no page is read."""
         while decoding and self._pages_for_decode(decoding) > self.kv.available_pages:
-            victim = decoding.pop()
+            victim = min(reversed(decoding), key=lambda r: r.retractions)
+            decoding.remove(victim)
             if self.role.may_retract(victim):
                 self._retract(victim)
         return decoding

@@ -128,12 +128,39 @@ def test_retraction_disables_overlap_for_that_batch():
     assert outs == run_ids(get_llm("tiny-llama"), prompts, greedy(40, ignore_eos=True))
 
 
-def test_consecutive_prefill_chunks_are_counted():
-    llm = get_llm("tiny-llama", chunked_prefill_size=64)
+def test_consecutive_prefill_sync_policy_is_counted(monkeypatch):
+    llm = get_llm("tiny-llama", chunked_prefill_size=64, consecutive_prefill="sync")
     stats = llm.engine.loop.stats
     before = stats.overlap_disabled["consecutive_prefill"]
+    probe = Probe(llm, monkeypatch)
     run_ids(llm, [random_prompt(300, seed=9)], greedy(4))  # 5 chunks back to back
     assert stats.overlap_disabled["consecutive_prefill"] - before >= 4
+    order = {ev[:2]: i for i, ev in enumerate(probe.events)}
+    extends = [seq for kind, seq, bkind in probe.events if kind == "launch" and bkind == "extend"]
+    for n in extends[:-1]:  # each prefill result is processed before the next one launches
+        assert order[("process", n)] < order[("launch", n + 1)]
+
+
+def test_consecutive_prefill_overlap_policy_pipelines_chunks(monkeypatch):
+    llm = get_llm("tiny-llama", chunked_prefill_size=64, consecutive_prefill="overlap")
+    stats = llm.engine.loop.stats
+    probe = Probe(llm, monkeypatch)
+    prompt = random_prompt(300, seed=9)
+    assert run_ids(llm, [prompt], greedy(4)) == run_ids(
+        get_llm("tiny-llama", disable_overlap=True), [prompt], greedy(4))
+    assert "consecutive_prefill" not in stats.overlap_disabled
+    order = {ev[:2]: i for i, ev in enumerate(probe.events)}
+    extends = [seq for kind, seq, bkind in probe.events if kind == "launch" and bkind == "extend"]
+    assert len(extends) == 5
+    for n in extends[:-1]:  # prefill N's result is processed while N+1 runs
+        assert order[("launch", n + 1)] < order[("process", n)]
+
+
+def test_consecutive_prefill_policy_is_validated():
+    from pdserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="consecutive_prefill"):
+        EngineConfig(consecutive_prefill="sometimes")
 
 
 # -- the staging ring's write-after-read guard (no model) -----------------------------------

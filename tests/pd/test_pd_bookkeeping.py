@@ -1,5 +1,6 @@
 """Prefill send bookkeeping and the metadata slot, without a model (DESIGN §5, §6):
-`tmp_end_idx` across chunks and page boundaries, `inflight_middle_chunks` under abort,
+`tmp_end_idx` across chunks and page boundaries, two chunks of one request in flight,
+results out of order, `inflight_middle_chunks` deciding the final chunk and under abort,
 early-send ranges (with the host-tier `loading_pages` exclusion), metadata rows."""
 
 from __future__ import annotations
@@ -15,20 +16,24 @@ from prefill_node.bookkeeping import SendProgress
 def run_chunks(prog: SendProgress, ends: list[int], overlap: bool) -> list[range]:
     """Schedule and process chunks ending at `ends` (the last is the last chunk) the way the
     normal loop (schedule, process) or the overlap loop (schedule N+1, then process N) does.
-    Returns the page ranges sent, in order."""
+    Returns the page ranges sent, in order; checks the final chunk is recognised."""
     sent: list[range] = []
-    pending: list[tuple[int, bool]] = []
-    for i, end in enumerate(ends):
-        last = i == len(ends) - 1
-        prog.chunk_scheduled(end, last)
+    pending: list[int] = []
+
+    def process() -> None:
+        e = pending.pop(0)
+        pages, last = prog.chunk_done(aborted=False, row_end=e)
+        assert last == (e == ends[-1])
+        sent.append(pages)
+
+    for end in ends:
+        prog.chunk_scheduled(end)
         assert prog.tmp_end_idx == end  # recorded at scheduling time
-        pending.append((end, last))
+        pending.append(end)
         if not overlap or len(pending) > 1:
-            e, lst = pending.pop(0)
-            sent.append(prog.chunk_done(e, lst, aborted=False))
+            process()
     while pending:
-        e, lst = pending.pop(0)
-        sent.append(prog.chunk_done(e, lst, aborted=False))
+        process()
     return sent
 
 
@@ -48,7 +53,7 @@ def test_chunks_send_whole_pages_then_partial_last_page(overlap):
     # the last chunk sends the rest including the partial page 6.
     assert sent == [range(0, 2), range(2, 5), range(5, 7)]
     assert prog.sent_pages == 7 and prog.inflight_middle_chunks == 0
-    assert prog.tmp_end_idx == 100
+    assert prog.tmp_end_idx == 100 and prog.inflight_chunks == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
@@ -86,17 +91,50 @@ def test_page_size_one_sends_every_token_of_a_chunk():
                                                            range(7, 10)]
 
 
-def test_tmp_end_idx_is_the_newest_scheduled_end_not_the_processed_one():
+def test_two_chunks_in_flight_each_result_sends_what_its_own_forward_completed():
     prog = SendProgress(prompt_len=200, page_size=16)
-    prog.chunk_scheduled(64, last=False)
-    prog.chunk_scheduled(128, last=False)  # overlap: launched before 64's result
+    prog.chunk_scheduled(64)
+    prog.chunk_scheduled(128)  # overlap: launched before 64's result was processed
     assert prog.tmp_end_idx == 128 and prog.inflight_middle_chunks == 2
-    assert prog.chunk_done(64, last=False, aborted=False) == range(0, 4)
+    # 64's result: only its pages, although tmp_end_idx already says 128
+    assert prog.chunk_done(aborted=False) == (range(0, 4), False)
     assert prog.tmp_end_idx == 128 and prog.inflight_middle_chunks == 1
-    assert prog.chunk_done(128, last=False, aborted=False) == range(4, 8)
-    prog.chunk_scheduled(200, last=True)
-    assert prog.inflight_middle_chunks == 0  # last chunks are not middle chunks
-    assert prog.chunk_done(200, last=True, aborted=False) == range(8, 13)
+    prog.chunk_scheduled(200)  # the last chunk, launched before 128's result
+    assert prog.inflight_middle_chunks == 1 and prog.inflight_chunks == 2
+    assert prog.chunk_done(aborted=False, row_end=128) == (range(4, 8), False)
+    assert prog.inflight_middle_chunks == 0
+    # the counter is 0: this result is the final chunk
+    assert prog.chunk_done(aborted=False, row_end=200) == (range(8, 13), True)
+    assert prog.inflight_chunks == 0
+
+
+def test_result_fed_out_of_order_raises_and_sends_nothing():
+    prog = SendProgress(prompt_len=200, page_size=16)
+    prog.chunk_scheduled(64)
+    prog.chunk_scheduled(128)
+    with pytest.raises(RuntimeError, match="out of order"):
+        prog.chunk_done(aborted=False, row_end=128)  # 64's result has not been processed
+    assert prog.sent_pages == 0 and prog.inflight_middle_chunks == 2
+    assert prog.chunk_done(aborted=False, row_end=64).pages == range(0, 4)
+
+
+def test_result_without_a_launched_chunk_raises():
+    prog = SendProgress(prompt_len=100, page_size=16)
+    with pytest.raises(RuntimeError, match="no launched chunk"):
+        prog.chunk_done(aborted=False)
+    prog.chunk_scheduled(100)
+    prog.chunk_done(aborted=False)
+    with pytest.raises(RuntimeError, match="no launched chunk"):
+        prog.chunk_done(aborted=True)
+    assert prog.inflight_middle_chunks == 0
+
+
+@pytest.mark.parametrize("ends", [[64, 64], [64, 32], [0], [101], [100, 120]])
+def test_scheduling_a_chunk_that_does_not_advance_raises(ends):
+    prog = SendProgress(prompt_len=100, page_size=16)
+    with pytest.raises(RuntimeError):
+        for end in ends:
+            prog.chunk_scheduled(end)
 
 
 def test_early_sent_prefix_then_chunks_continue_after_it():
@@ -111,43 +149,38 @@ def test_early_sent_prefix_then_chunks_continue_after_it():
 
 def test_abort_drops_in_flight_middle_chunks_and_counter_reaches_zero():
     prog = SendProgress(prompt_len=300, page_size=16)
-    prog.chunk_scheduled(64, last=False)
-    assert prog.chunk_done(64, last=False, aborted=False) == range(0, 4)
-    prog.chunk_scheduled(128, last=False)
-    prog.chunk_scheduled(192, last=False)  # two launched, unprocessed
+    prog.chunk_scheduled(64)
+    assert prog.chunk_done(aborted=False).pages == range(0, 4)
+    prog.chunk_scheduled(128)
+    prog.chunk_scheduled(192)  # two launched, unprocessed
     assert prog.inflight_middle_chunks == 2
     # abort: their results arrive later and are dropped, nothing more is sent
-    assert prog.chunk_done(128, last=False, aborted=True) == range(0)
+    assert prog.chunk_done(aborted=True, row_end=128) == (range(0), False)
     assert prog.inflight_middle_chunks == 1
-    assert prog.chunk_done(192, last=False, aborted=True) == range(0)
-    assert prog.inflight_middle_chunks == 0
+    assert prog.chunk_done(aborted=True, row_end=192) == (range(0), False)
+    assert prog.inflight_middle_chunks == 0 and prog.inflight_chunks == 0
     assert prog.sent_pages == 4
-
-
-def test_counter_never_goes_negative():
-    prog = SendProgress(prompt_len=300, page_size=16)
-    with pytest.raises(RuntimeError, match="negative"):
-        prog.chunk_done(64, last=False, aborted=True)
-    assert prog.inflight_middle_chunks == 0
-    prog.chunk_scheduled(64, last=False)
-    prog.chunk_done(64, last=False, aborted=True)
-    with pytest.raises(RuntimeError, match="negative"):
-        prog.chunk_done(64, last=False, aborted=False)
-    assert prog.inflight_middle_chunks == 0 and prog.sent_pages == 0
 
 
 def test_last_chunk_does_not_touch_the_counter():
     prog = SendProgress(prompt_len=20, page_size=16)
-    prog.chunk_scheduled(20, last=True)
+    prog.chunk_scheduled(20)
     assert prog.inflight_middle_chunks == 0
-    assert prog.chunk_done(20, last=True, aborted=False) == range(0, 2)
+    assert prog.chunk_done(aborted=False) == (range(0, 2), True)
     assert prog.inflight_middle_chunks == 0
+
+
+def test_no_chunk_after_the_last_chunk():
+    prog = SendProgress(prompt_len=20, page_size=16)
+    prog.chunk_scheduled(20)
+    with pytest.raises(RuntimeError):
+        prog.chunk_scheduled(20)
 
 
 def test_aborted_last_chunk_sends_nothing():
     prog = SendProgress(prompt_len=20, page_size=16)
-    prog.chunk_scheduled(20, last=True)
-    assert prog.chunk_done(20, last=True, aborted=True) == range(0)
+    prog.chunk_scheduled(20)
+    assert prog.chunk_done(aborted=True) == (range(0), True)
     assert prog.sent_pages == 0
 
 

@@ -1,7 +1,8 @@
 """A decode node under KV pressure (small pool, many long requests) queues requests in
 pre-allocation instead of failing them, and every request completes token-exact
 (DESIGN §2 step 2: back-pressure, never failure). With a small decode reservation the
-decode runs out of pages while decoding and retracts (then re-prefills locally)."""
+decode runs out of pages while decoding and retracts (then re-prefills locally); retracted
+requests are not starved by new transfers that keep arriving."""
 
 from __future__ import annotations
 
@@ -87,4 +88,48 @@ def test_prefill_under_kv_pressure_keeps_early_sent_pages_valid():
         cluster.assert_pools_full()
     finally:
         gate.set()
+        cluster.close()
+
+
+def test_retracted_requests_finish_while_new_transfers_keep_arriving():
+    """A decode under KV pressure retracts requests while new transfers keep arriving (the
+    pre-allocation queue is never empty). New pre-allocations must not take the pages the
+    retracted requests wait for, and a retracted request is not the victim again while
+    others can go: each retracted request finishes within a bounded number of decode steps
+    of its first retraction, long before the arrivals stop."""
+    feed_steps, bound = 700, 250  # decode steps with arrivals; most steps to finish
+    cluster = PDCluster(
+        MODEL, "mooncake", prefills=[{"page_size": 4, "chunked_prefill_size": 64}],
+        decodes=[{"page_size": 4, "max_total_tokens": DECODE_POOL, "decode_reserve_tokens": 4,
+                  "chunked_prefill_size": 64, "max_running_requests": 16}])
+    try:
+        de = cluster.decodes[0]
+        legs, retracted_at, finished_at = [], {}, {}
+        deadline = time.monotonic() + 240
+        while de.loop.stats.steps < feed_steps or cluster.busy():
+            assert time.monotonic() < deadline, cluster.dump()
+            if de.loop.stats.steps < feed_steps and len(de.role.prealloc) < 3:
+                i = len(legs)
+                legs.append(cluster.submit(random_prompt(60 + 13 * i % 40, seed=2200 + i),
+                                           greedy(N)))
+            cluster.step()
+            step = de.loop.stats.steps
+            for leg in legs:
+                if leg.decode.retractions and leg.rid not in retracted_at:
+                    retracted_at[leg.rid] = step
+                if leg.decode.finished and leg.rid not in finished_at:
+                    finished_at[leg.rid] = step
+        for e in cluster.engines:
+            e.loop.drain()
+        early = [rid for rid, s in retracted_at.items() if s < feed_steps - bound]
+        assert len(early) >= 3, f"too few retractions to tell: {retracted_at}"
+        waits = {rid: finished_at[rid] - retracted_at[rid] for rid in early}
+        assert max(waits.values()) <= bound, f"retracted requests starved: {waits}"
+        want = colocated_greedy(MODEL, [leg.decode.prompt_ids for leg in legs], N)
+        for leg, w in zip(legs, want, strict=True):
+            assert_ok(leg)
+            assert leg.output_ids == w
+        assert de.role.mgr.metrics()["rooms_failed"] == 0
+        cluster.assert_pools_full()
+    finally:
         cluster.close()
