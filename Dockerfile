@@ -6,7 +6,7 @@
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # CUDA
 #   docker build --build-arg MODEL= -t pdserve:0.1.0-nomodel .        # model mounted instead
 #
-# MODEL (a built-in name, DESIGN §9) is converted at build time into
+# MODEL (a built-in name, docs/architecture.md: Interfaces) is converted at build time into
 # $XDG_CACHE_HOME/pdserve/models (= the chart's model.cacheDir), so pods start offline. With
 # MODEL empty, mount a HF folder (chart: model.volume) or convert in an init step
 # (chart: model.prepare).
@@ -25,7 +25,7 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/opt/pdserve/cache
 
-# libibverbs1: Mooncake's transfer engine links against it even over TCP (DESIGN §6).
+# libibverbs1: Mooncake's transfer engine links against it even over TCP (docs/architecture.md: KV transfer).
 # A CUDA base image brings no Python: take the distribution's (>= 3.11 on ubuntu24.04).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates libibverbs1 \

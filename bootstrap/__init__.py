@@ -2,7 +2,7 @@
 
 - `bootstrap.app` / `bootstrap.cli`: the HTTP service (`pdserve registry`).
 - `bootstrap.client.RegistryClient`: what nodes and the router use.
-- `bootstrap.record`: the node record (DESIGN §9).
+- `bootstrap.record`: the node record (docs/architecture.md: Registry).
 
 Names below are imported lazily: a node importing the client must not pay for FastAPI.
 """

@@ -1,4 +1,5 @@
-"""The registry's HTTP API (DESIGN §9), built once from a RegistryConfig and a store.
+"""The registry's HTTP API (docs/architecture.md: Registry), built once from a RegistryConfig and a
+store.
 
 Handlers are plain `def`s: FastAPI runs them on its thread pool, where the blocking
 Redis client is fine and the memory store's lock is a plain threading lock.

@@ -18,7 +18,7 @@ _DEFAULTS = RegistryConfig()
 
 _DESCRIPTION = (
     "Bootstrap registry: nodes register and heartbeat, the router and decode nodes look "
-    "them up (DESIGN §7, §9)."
+    "them up (docs/architecture.md: Registry)."
 )
 
 

@@ -1,4 +1,4 @@
-"""The node record of the bootstrap registry (DESIGN §9).
+"""The node record of the bootstrap registry (docs/architecture.md: Registry).
 
 A node sends a `NodeRecord`; the registry stores it with server-owned bookkeeping and
 hands back a `RegisteredNode`. Every model allows extra fields so that a newer node can

@@ -1,4 +1,5 @@
-"""The decode role (DESIGN §2, §6). Life of a request on a decode node:
+"""The decode role (docs/architecture.md: Request lifecycles, KV transfer). Life of a request on a
+decode node:
 
 1. Arrival. The /generate leg carries `bootstrap_room` and the prefill node's KV endpoint
    (the HTTP front looked `prefill_node_id` up in the registry and checked the layout).

@@ -1,4 +1,4 @@
-"""KV cache transfer between prefill and decode nodes (DESIGN §6).
+"""KV cache transfer between prefill and decode nodes (docs/architecture.md: KV transfer).
 
 Public API: KVTransferConfig, KVArgs/KVLayout, KVManager (one per node), KVSender
 (prefill, one per request), KVReceiver (decode, one per request), KVPoll.

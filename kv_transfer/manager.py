@@ -103,7 +103,8 @@ class KVManager:
         return self._backend.name
 
     def registry_fields(self) -> dict[str, Any]:
-        """The transfer part of this node's bootstrap-registry record (DESIGN §9)."""
+        """The transfer part of this node's bootstrap-registry record (docs/architecture.md:
+        Registry)."""
         lay = self.args.layout
         return {
             "kv_endpoint": self.endpoint or "", "transfer_session": self.transfer_session,

@@ -1,6 +1,7 @@
 """pdserve: prefill/decode disaggregated LLM serving.
 
-`from pdserve import LLM, SamplingParams` is the offline engine (DESIGN §9). Both names
+`from pdserve import LLM, SamplingParams` is the offline engine (docs/architecture.md: Interfaces).
+Both names
 are imported lazily so that light processes (registry, router) do not load torch.
 """
 

@@ -1,4 +1,5 @@
-"""Offline engine API (DESIGN §9): `LLM(model, **config).generate(prompts, params)`."""
+"""Offline engine API (docs/architecture.md: Interfaces): `LLM(model, **config).generate(prompts,
+params)`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters (DESIGN §9) with validation that names the bad field."""
+"""Per-request sampling parameters (docs/architecture.md: Interfaces) with validation that names
+the bad field."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The prefill role (DESIGN §2, §5). Life of a request on a prefill node:
+"""The prefill role (docs/architecture.md: Request lifecycles, PD bookkeeping). Life of a request
+on a prefill node:
 
 1. Arrival. The /generate leg carries `bootstrap_room`; a KVSender is made for the room
    and the request waits in the bootstrap queue. It will compute exactly one token.

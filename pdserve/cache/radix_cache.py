@@ -1,4 +1,4 @@
-"""Radix prefix cache over page-aligned token ids (DESIGN §3). Pure Python.
+"""Radix prefix cache over page-aligned token ids (docs/architecture.md: Prefix cache). Pure Python.
 
 Each edge holds a whole number of pages: `key` is a tuple of token ids whose length is a
 multiple of `page_size`, `pages` the KV page ids holding them. Children are keyed by their

@@ -1,5 +1,5 @@
 """The metadata slot of a PD request: one fixed-size row per request, sent with the last
-KV chunk (DESIGN §6). Layout (little-endian, 32 bytes):
+KV chunk (docs/architecture.md: PD bookkeeping). Layout (little-endian, 32 bytes):
 
     room: uint64 | first_token: int64 | first_logprob: float64 | 8 bytes padding
 

@@ -4,7 +4,7 @@ When the overlap loop builds batch N+1, the tokens of batch N are still being co
 Each sampled row of a launched batch gets a future id k >= 1; the next batch writes -k as
 that row's input id. The forward thread stores sampled tokens at map[k] and, before the
 next forward, replaces every negative id by map[-id] on the device: the CPU never waits
-for or touches token values on this path (DESIGN §4).
+for or touches token values on this path (docs/architecture.md: Overlap scheduling).
 
 Sizing: ids are handed out round-robin from `size` slots. A slot is read at most two
 launches after it was written, so 3 x max_running_requests slots are never reused early.

@@ -1,4 +1,5 @@
-"""The two scheduling loops, side by side (DESIGN §4). Each `step()` is one iteration.
+"""The two scheduling loops, side by side (docs/architecture.md: Overlap scheduling). Each `step()`
+is one iteration.
 
 normal:  schedule -> run -> process result. The device idles while the CPU processes the
          result and builds the next batch.

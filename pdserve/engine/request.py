@@ -1,4 +1,5 @@
-"""A request: owns its state, its request slot and its KV pages (DESIGN §2, §3).
+"""A request: owns its state, its request slot and its KV pages (docs/architecture.md: Request
+lifecycles, Scheduling policy).
 
 Positions and lengths (all in tokens):
 - `fill_ids` = prompt + outputs known at admission; prefill computes KV for all of them.

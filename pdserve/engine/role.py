@@ -1,4 +1,5 @@
-"""The seam where a node role plugs into the shared engine (composition, DESIGN §5).
+"""The seam where a node role plugs into the shared engine (composition, docs/architecture.md:
+Roles).
 
 The engine calls these hooks at fixed points of a request's life; the colocated role
 (this base class) does nothing special. `prefill_node.PrefillRole` and

@@ -1,5 +1,6 @@
 """Batch building: continuous batching with chunked prefill, decode reservation and
-retraction (DESIGN §3). Pure bookkeeping over `Req` and `KVManager`; no model here.
+retraction (docs/architecture.md: Scheduling policy). Pure bookkeeping over `Req` and `KVManager`;
+no model here.
 
 `next_batch()` returns an extend batch when prompts are waiting and fit, else a decode
 batch of every running request, else None. It returns `NEED_SYNC` when it cannot decide

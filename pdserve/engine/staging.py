@@ -1,4 +1,5 @@
-"""Host staging buffers with an explicit write-after-read guard (DESIGN §4).
+"""Host staging buffers with an explicit write-after-read guard (docs/architecture.md: Overlap
+scheduling).
 
 The scheduler packs every integer input of a batch into one flat host buffer (pinned on
 CUDA) and the forward thread copies it to the device in one transfer. Two buffers

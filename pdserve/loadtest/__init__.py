@@ -1,4 +1,4 @@
-"""Load-test harness behind `pdserve bench` (DESIGN §8).
+"""Load-test harness behind `pdserve bench` (docs/architecture.md: Load-test harness).
 
 A light client process: asyncio + httpx streaming, numpy statistics, matplotlib plots.
 Nothing here imports torch; a tokenizer is loaded only when a run needs one.

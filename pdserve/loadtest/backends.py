@@ -1,4 +1,4 @@
-"""Request bodies and stream parsing for the three APIs (DESIGN §9).
+"""Request bodies and stream parsing for the three APIs (docs/architecture.md: Interfaces).
 
 `generate`: SGLang-style POST /generate; each SSE event carries the *cumulative* `text`,
 `output_ids` and `meta_info`. `openai` / `openai-chat`: OpenAI streams of deltas, with a

@@ -3,7 +3,8 @@
 Each buffer is [num_pages * page_size, num_kv_heads, head_dim]. A token slot is
 `page * page_size + offset`, so page p of every layer is the byte range
 [p * page_bytes, (p + 1) * page_bytes) of that layer's buffer: exactly what the transfer
-engine registers and what a page index means on the peer (DESIGN §3, §6).
+engine registers and what a page index means on the peer (docs/architecture.md: Memory, KV
+transfer).
 """
 
 from __future__ import annotations

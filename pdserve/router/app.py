@@ -1,4 +1,5 @@
-"""FastAPI routes of the router: the node's HTTP API (DESIGN §9) in front of the cluster,
+"""FastAPI routes of the router: the node's HTTP API (docs/architecture.md: Interfaces) in front of
+the cluster,
 plus `GET /nodes` (the router's view of every node). Request bodies, OpenAI chunk shapes
 and error shapes are the node's own (pdserve.server), so both speak one dialect.
 

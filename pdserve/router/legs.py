@@ -1,4 +1,5 @@
-"""The two legs of one dispatch attempt (DESIGN §2), each an asyncio task posting to its
+"""The two legs of one dispatch attempt (docs/architecture.md: Request lifecycles), each an asyncio
+task posting to its
 node's /generate and feeding one queue:
 
 - prefill leg: `stream: false`; the node answers once its prefill (and KV send) is done.

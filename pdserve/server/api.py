@@ -1,4 +1,5 @@
-"""FastAPI routes of a node (DESIGN §9): /generate, OpenAI completions and chat, models,
+"""FastAPI routes of a node (docs/architecture.md: Interfaces): /generate, OpenAI completions and
+chat, models,
 health, metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "code"}}."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request bodies of the HTTP API (DESIGN §9), validated with pydantic.
+"""Request bodies of the HTTP API (docs/architecture.md: Interfaces), validated with pydantic.
 
 Field checks that pydantic cannot express (one prompt only, n == 1, the served model)
 live in `validate()` methods and raise `ApiError` with the OpenAI-shaped status.
@@ -65,7 +65,8 @@ class GenerateBody(_PlainJson):
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     stream: StrictBool = False
     rid: str | None = Field(None, max_length=128)
-    # Internal fields of the PD legs (DESIGN §2); the router fills them in.
+    # Internal fields of the PD legs (docs/architecture.md: Request lifecycles); the router fills
+    # them in.
     bootstrap_room: int | None = Field(None, strict=True, ge=0, lt=1 << 63)
     prefill_node_id: str | None = Field(None, max_length=256)
 

@@ -114,7 +114,7 @@ class Stack:
         return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
 
     def _default_backend(self) -> str:
-        """Mooncake (DESIGN's default) where it loads; else say why and use tcp."""
+        """Mooncake (the default backend) where it loads; else say why and use tcp."""
         from kv_transfer import mooncake_import_error
 
         problem = mooncake_import_error()

@@ -196,7 +196,8 @@ def free_port() -> int:
 
 
 def node_record(node_id: str | None = None, **overrides: Any) -> dict[str, Any]:
-    """A valid registration body (DESIGN §9) with a unique node_id unless given."""
+    """A valid registration body (docs/architecture.md: Registry) with a unique node_id unless
+    given."""
     record: dict[str, Any] = {
         "node_id": node_id or f"n-{uuid.uuid4().hex[:12]}",
         "instance_id": uuid.uuid4().hex,

@@ -1,4 +1,4 @@
-"""The registry's HTTP contract (DESIGN §9), run against both stores.
+"""The registry's HTTP contract (docs/architecture.md: Registry), run against both stores.
 
 `shared_registry` is one token-protected registry process per store (memory, redis);
 every test uses its own node ids, so tests never see each other's records.

@@ -1,4 +1,4 @@
-"""Greedy output equals transformers `generate` token for token (DESIGN §3)."""
+"""Greedy output equals transformers `generate` token for token (docs/architecture.md: Memory)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The overlap loop is genuinely overlapped (DESIGN §4): result N-1 is processed after
+"""The overlap loop is genuinely overlapped (docs/architecture.md: Overlap scheduling): result N-1
+is processed after
 batch N is launched, decode inputs are FutureMap placeholders resolved on the device, both
 staging buffers alternate behind a write-after-read guard, and every batch that is not
 overlapped is counted by reason. Plus the engine-level API (step, abort)."""

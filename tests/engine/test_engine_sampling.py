@@ -1,4 +1,5 @@
-"""Sampling: seeds, batch independence, top-k / top-p / temperature (DESIGN §9)."""
+"""Sampling: seeds, batch independence, top-k / top-p / temperature (docs/architecture.md:
+Interfaces)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A test double of a pdserve node's HTTP front, for the bench's end-to-end tests only.
 
-It streams fake tokens with controlled delays over the DESIGN §9 wire formats:
+It streams fake tokens with controlled delays over the docs/architecture.md: Interfaces wire
+formats:
 `/generate` (cumulative SGLang events), `/v1/completions` and `/v1/chat/completions`
 (OpenAI deltas + usage), all ending with `data: [DONE]`. Under `/flaky/...` every 5th
 request (by arrival) answers 500 and every 5th+1 breaks its stream mid-way.

@@ -1,4 +1,5 @@
-"""Aborts at every stage of a PD request, in process (DESIGN §2 step 5, §5): the prefill's
+"""Aborts at every stage of a PD request, in process (docs/architecture.md: Request lifecycles, PD
+bookkeeping): the prefill's
 bootstrap queue, its waiting queue, mid-chunk (with a chunk in flight under the overlap
 loop, and between chunks under the normal loop), while the KV is transferring, and while
 decoding. Each ends both legs with a clear error (a leg that already finished its part

@@ -1,4 +1,5 @@
-"""Prefill send bookkeeping and the metadata slot, without a model (DESIGN §5, §6):
+"""Prefill send bookkeeping and the metadata slot, without a model (docs/architecture.md: PD
+bookkeeping, KV transfer):
 `tmp_end_idx` across chunks and page boundaries, two chunks of one request in flight,
 results out of order, `inflight_middle_chunks` deciding the final chunk and under abort,
 early-send ranges (with the host-tier `loading_pages` exclusion), metadata rows."""

@@ -1,6 +1,7 @@
 """Token-exact PD: the decode leg's greedy output equals the colocated engine's (and
 transformers `generate`) across {overlap, normal} x {chunked 64, unchunked} x {page 1, 16}
-x {prefix cache cold, warm} on both transfer backends (DESIGN §2, §5, §6).
+x {prefix cache cold, warm} on both transfer backends (docs/architecture.md: Request lifecycles, PD
+bookkeeping, KV transfer).
 
 Each case runs three passes over the same prompts (lengths around the page size, the chunk
 size and a partial last page, plus a set sharing a 37-token prefix):

@@ -1,6 +1,7 @@
 """A decode node under KV pressure (small pool, many long requests) queues requests in
 pre-allocation instead of failing them, and every request completes token-exact
-(DESIGN §2 step 2: back-pressure, never failure). With a small decode reservation the
+(docs/architecture.md: Request lifecycles: back-pressure, never failure). With a small decode
+reservation the
 decode runs out of pages while decoding and retracts (then re-prefills locally); retracted
 requests are not starved by new transfers that keep arriving."""
 
