@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import httpx
 from server_harness import MODEL
+
+BOUND_S = 60.0  # generous (loaded machine); before the fix some cases hung for 600 s
 
 CONTEXT = 2048  # tiny-llama's context length
 SUR = "\\ud800"  # a lone surrogate, as JSON escapes it
@@ -84,3 +87,17 @@ CASES: list[tuple[str, str, bytes, str]] = [
     ("generate-rid-surrogate", "/generate", _raw(GENERATE, rid=f'"{SUR}"'), "surrogate"),
 ]
 IDS = [c[0] for c in CASES]
+
+
+def post_raw(base_url: str, path: str, raw: str | bytes) -> httpx.Response:
+    """POST a raw JSON body as it is (no re-encoding), answered within BOUND_S."""
+    return httpx.post(f"{base_url}{path}", content=raw, timeout=BOUND_S,
+                      headers={"content-type": "application/json"})
+
+
+def post_all_then_generate(base_url: str) -> httpx.Response:
+    """Send every hostile case, then one ordinary 3-token /generate; returns its answer."""
+    for _, path, raw, _ in CASES:
+        post_raw(base_url, path, raw)
+    return httpx.post(f"{base_url}/generate", timeout=BOUND_S, json={
+        "text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
