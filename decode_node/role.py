@@ -67,14 +67,15 @@ class DecodeRole(Role):
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transferring or self.draining)
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
         self._poll_prealloc()
-        self._poll_transfers()
+        committed = self._poll_transfers()
         for req in list(self.draining):
             if req.receiver.poll().terminal:
                 self.draining.remove(req)
                 self._free_meta(req)
                 self.engine.out.complete(req, cache_it=False)
+        return committed
 
     # 2. pre-allocation ----------------------------------------------------------------------------
     def _poll_prealloc(self) -> None:
@@ -112,16 +113,20 @@ class DecodeRole(Role):
         return True
 
     # 3. transfer queue --------------------------------------------------------------------
-    def _poll_transfers(self) -> None:
+    def _poll_transfers(self) -> bool:
+        """True when a transfer completed (its request now has its first token)."""
+        committed = False
         for req in list(self.transferring):
             state = req.receiver.poll()
             if state == KVPoll.Success:
                 self.transferring.remove(req)
                 self._commit(req)
+                committed = True
             elif state == KVPoll.Failed:
                 self.transferring.remove(req)
                 self._fail(req, req.receiver.failure_reason or "KV transfer failed",
                            req.receiver.peer_fault)
+        return committed
 
     def _commit(self, req) -> None:
         room, token, _ = unpack_row(req.receiver.metadata()[0])

@@ -73,7 +73,7 @@ class PrefillRole(Role):
         return bool(self.bootstrap or self.inflight)
 
     # 2. bootstrap and 6. inflight ----------------------------------------------------------
-    def poll(self) -> None:
+    def poll(self) -> bool:
         for req in list(self.bootstrap):
             state = req.sender.poll()
             if state == KVPoll.Failed:
@@ -98,6 +98,7 @@ class PrefillRole(Role):
                 self.inflight.remove(req)
                 self._free_meta(req)
                 self.engine.out.complete(req)
+        return False  # no new tokens here: the first token is sampled by a forward
 
     def _fail(self, req, reason: str) -> None:
         req.error = reason

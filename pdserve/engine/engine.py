@@ -133,10 +133,21 @@ class Engine:
         """Work the scheduler can do now (as opposed to waiting on a transfer)."""
         return self.sched.has_work() or bool(getattr(self.loop, "results", None))
 
-    def step(self) -> list[Req]:
-        """One loop iteration; returns the requests that finished in it."""
+    def poll_role(self) -> bool:
+        """Advance the role's queues; True when requests got new output tokens there."""
         try:
-            self.role.poll()
+            return bool(self.role.poll())
+        except Exception:
+            log.exception("role poll failed; failing every live request")
+            self._fail_all("internal error in the node role")
+            raise
+
+    def step(self, role_polled: bool = False) -> list[Req]:
+        """One loop iteration; returns the requests that finished in it. `role_polled`:
+        the caller ran `poll_role()` just before (to stream what it produced first)."""
+        try:
+            if not role_polled:
+                self.role.poll()
             self.loop.step()
         except Exception:
             log.exception("engine step failed; failing every live request")

@@ -31,8 +31,11 @@ class Role:
             raise ValueError(f"unexpected fields for a colocated node: {sorted(extra)}")
         self.engine.sched.add(req)
 
-    def poll(self) -> None:
-        """Once per loop iteration, before scheduling: advance role-owned queues."""
+    def poll(self) -> bool:
+        """Once per loop iteration, before scheduling: advance role-owned queues. Returns
+        True when requests got new output tokens here (a decode node's first tokens,
+        carried over with the KV), so a server can stream them before the next batch."""
+        return False
 
     def has_work(self) -> bool:
         """Requests held in role-owned queues (not visible to the scheduler)."""

@@ -47,7 +47,11 @@ class SchedulerService:
             timeout = 0 if self.engine.has_runnable() else 2 if self.engine.has_work() else 100
             self._receive(timeout_ms=timeout)
             if self.engine.has_work():
-                finished = self.engine.step()
+                # First tokens that arrived with the KV (decode role) go out before the
+                # next decode forward, not one step later.
+                if self.engine.poll_role():
+                    self._emit([])
+                finished = self.engine.step(role_polled=True)
                 self._emit(finished)
             elif self.sent:
                 self._emit([])
