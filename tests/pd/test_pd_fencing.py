@@ -24,8 +24,10 @@ MODEL = "tiny-llama"
 KV_FLAGS = ["--kv-heartbeat-interval-s", "0.5", "--kv-heartbeat-misses", "4",
             "--kv-transfer-timeout-s", "120", "--kv-bootstrap-timeout-s", "120"]
 # A takes 64 prompt tokens per batch, so its long prompts are sent in many chunks.
+# Small prefill batches keep A's requests in flight long enough to pause A mid-transfer
+# (with the faster forward, 64-token batches let all of them finish first now and then).
 PREFILL_FLAGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", "32",
-                 "--max-prefill-tokens", "64", *KV_FLAGS]
+                 "--max-prefill-tokens", "32", *KV_FLAGS]
 # A small decode pool: freed pages are handed out again at once (LIFO free list).
 DECODE_FLAGS = ["--max-total-tokens", "4096", *KV_FLAGS]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -74,7 +76,7 @@ def test_paused_prefill_never_writes_into_reused_pages(tmp_path_factory, backend
         failed_before = d.stats()["role"]["transfer"]["rooms_failed"]
 
         # 1. Long prompts through A; pause A (HTTP process and scheduler) mid-transfer.
-        prompts_a = [random_prompt(800, seed=7000 + i) for i in range(3)]
+        prompts_a = [random_prompt(800, seed=7000 + i) for i in range(4)]
         reqs_a = [PDRequest(a, d, p, GREEDY).start() for p in prompts_a]
         wait_until(lambda: d.stats().get("role", {}).get("transfer_queue", 0) >= 1, BOUND_S,
                    "the decode to wait for A's KV")
