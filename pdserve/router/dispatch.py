@@ -47,8 +47,10 @@ class Dispatcher:
         self.on_leg, self.on_retry = on_leg, on_retry
         self.rng = random.Random()
 
-    async def open(self, ids: list[int], sampling: dict, rid: str) -> Opened:
-        excluded: set[str] = set()
+    async def open(self, ids: list[int], sampling: dict, rid: str,
+                   exclude: set[str] | frozenset[str] = frozenset()) -> Opened:
+        """`exclude`: nodes to avoid while another is usable (a migration's dead node)."""
+        excluded: set[str] = set(exclude)
         last: LegError | None = None
         for attempt in range(self.cfg.dispatch_attempts):
             prefill, decode = await self.pick(ids, excluded, last)
