@@ -14,8 +14,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Path, Query, Response
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from pydantic import BaseModel, Field, create_model
+from starlette.concurrency import run_in_threadpool
 
 from bootstrap.auth import require_token
 from bootstrap.body_limit import BodyLimitMiddleware
@@ -30,9 +31,12 @@ from bootstrap.record import (
     Role,
     servable,
 )
-from bootstrap.store.base import NodeStore
+from bootstrap.store.base import NodeStore, StoreUnavailable
 
 log = logging.getLogger("pdserve.registry")
+# Every answer under /v1/nodes names the store's epoch (NodeStore.epoch): a reader that sees
+# it change knows the registry forgot its records, rather than the nodes leaving.
+EPOCH_HEADER = "x-registry-epoch"
 
 NodeIdPath = Annotated[str, Path(pattern=ID_PATTERN, max_length=128)]
 InstanceQuery = Annotated[
@@ -77,6 +81,14 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
     app = FastAPI(title="pdserve registry", version="1", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+
+    @app.middleware("http")
+    async def epoch_header(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/nodes"):
+            with contextlib.suppress(StoreUnavailable):
+                response.headers[EPOCH_HEADER] = await run_in_threadpool(store.epoch)
+        return response
 
     Registration = registration_model(config)
     auth = [Depends(require_token(config.token))] if config.token else []

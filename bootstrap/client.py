@@ -55,6 +55,7 @@ class RegistryClient:
             trust_env=False,
         )
         self.cache_ttl_s, self.stale_ok_s = cache_ttl_s, stale_ok_s
+        self.epoch = ""  # the registry store's epoch of the last answer (app.EPOCH_HEADER)
         self._cache: dict[tuple[str, str | None], tuple[float, Any]] = {}
         self._cache_lock = threading.Lock()
         self._heartbeat: Heartbeat | None = None
@@ -203,6 +204,7 @@ class RegistryClient:
             resp = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise RegistryUnavailable(f"{method} {path}: {exc!r}") from exc
+        self.epoch = resp.headers.get("x-registry-epoch") or self.epoch
         if resp.is_success or resp.status_code in ok:
             return resp
         message, code = _error_of(resp)

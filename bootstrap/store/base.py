@@ -46,6 +46,12 @@ class NodeStore(ABC):
         """Remove a record (only `instance_id`'s when given)."""
 
     @abstractmethod
+    def epoch(self) -> str:
+        """An id of the store's current contents: it changes when the store lost every
+        record at once (a memory store's process restarted, a Redis flushed or restarted
+        empty), so readers can tell "the node left" from "the registry forgot it"."""
+
+    @abstractmethod
     def ping(self) -> None:
         """Raise StoreUnavailable when the store cannot serve."""
 

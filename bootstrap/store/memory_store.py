@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import uuid
 from typing import Any
 
 from bootstrap.lifecycle import DeleteOutcome, PutOutcome, apply_put, check_delete
@@ -24,6 +25,10 @@ class MemoryStore(NodeStore):
         # thread pool, and a PUT is a read-decide-write.
         self._records: dict[str, tuple[float, dict[str, Any]]] = {}
         self._lock = threading.Lock()
+        self._epoch = uuid.uuid4().hex  # a new process starts empty: a new epoch
+
+    def epoch(self) -> str:
+        return self._epoch
 
     def _live(self, node_id: str) -> dict[str, Any] | None:
         entry = self._records.get(node_id)

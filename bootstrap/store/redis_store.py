@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,14 @@ class RedisStore(NodeStore):
         )
         self._prefix = key_prefix
         self._index = f"{key_prefix}index"
+
+    def epoch(self) -> str:
+        """Kept in Redis itself (`{prefix}epoch`, no expiry), created by the first reader
+        that finds it missing: a Redis that lost its data gets a new epoch with it."""
+        with _unavailable_on_error():
+            mine = uuid.uuid4().hex
+            old = self._redis.set(f"{self._prefix}epoch", mine, nx=True, get=True)
+            return old or mine
 
     def _key(self, node_id: str) -> str:
         return f"{self._prefix}node:{node_id}"

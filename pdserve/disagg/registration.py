@@ -8,7 +8,7 @@ import time
 
 from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryError
-from bootstrap.record import new_instance_id
+from bootstrap.record import RegisteredNode, new_instance_id
 from pdserve.server.protocol import ApiError
 
 
@@ -76,12 +76,15 @@ class PrefillPeerResolver:
 
     def __init__(self, client: RegistryClient, me: dict) -> None:
         self.client, self.me = client, me
+        # node_id -> (record, store epoch when read, time.monotonic() when read)
+        self._seen: dict[str, tuple[RegisteredNode, str, float]] = {}
 
     async def resolve(self, extra: dict) -> dict:
         node_id = extra.get("prefill_node_id")
         if not node_id:
             raise ApiError(400, "a decode node needs `prefill_node_id` and `bootstrap_room`")
         node = await asyncio.to_thread(self.client.get_node, node_id)
+        node = self._remember(node_id, node)
         if node is None or node.role != "prefill":
             raise ApiError(503, f"no live prefill node {node_id!r} in the registry",
                            "prefill_node_unavailable")
@@ -91,3 +94,18 @@ class PrefillPeerResolver:
                 raise ApiError(400, f"prefill node {node_id!r} is incompatible: {name} "
                                     f"{peer.get(name)!r} != ours {self.me.get(name)!r}")
         return {**extra, "prefill_kv_endpoint": peer["kv_endpoint"]}
+
+    def _remember(self, node_id: str, node: RegisteredNode | None) -> RegisteredNode | None:
+        """A record the registry just forgot because its store restarted empty (a new
+        epoch) is still good for as long as it would have lived (its ttl_s from when we
+        read it): the node's next heartbeat brings it back; meanwhile the router, which
+        kept it for the same reason, goes on sending us its requests."""
+        now, epoch = time.monotonic(), self.client.epoch
+        if node is not None:
+            self._seen[node_id] = (node, epoch, now)
+            return node
+        seen = self._seen.get(node_id)
+        if seen is not None and seen[1] and seen[1] != epoch and now < seen[2] + seen[0].ttl_s:
+            return seen[0]
+        self._seen.pop(node_id, None)
+        return None

@@ -11,6 +11,7 @@ the table never disturbs a request in flight there.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from bootstrap.record import RegisteredNode
@@ -27,6 +28,9 @@ class NodeState:
     inflight: int = 0  # this router's open legs on the node
     last_error: str = ""
     counts: dict[str, int] = field(default_factory=dict)  # outcome -> legs
+    # Kept although the registry no longer lists it, until then (time.monotonic()): the
+    # registry forgot it (new store epoch), and its heartbeat will bring it back.
+    carried_until: float | None = None
 
     @property
     def node_id(self) -> str:
@@ -70,13 +74,39 @@ class NodeTable:
         self.cfg = cfg
         self.model = model  # "" until adopted from the first record
         self.nodes: dict[str, NodeState] = {}
+        self.epoch = ""  # the registry store's epoch of the last read
         self._ignored: set[str] = set()  # node ids already warned about
 
     def new_breaker(self) -> CircuitBreaker:
         c = self.cfg
         return CircuitBreaker(c.breaker_failures, c.breaker_cooldown_s, c.breaker_max_cooldown_s)
 
-    def update(self, records: list[RegisteredNode]) -> None:
+    def update(self, records: list[RegisteredNode], epoch: str = "") -> None:
+        """The table from one registry read. A node missing from it is dropped, unless
+        the store's epoch changed (the registry restarted empty, or its Redis did): then
+        the node is carried for as long as its record would have lived (its ttl_s), since
+        its next heartbeat brings it back; a node that really left is gone by then."""
+        carried = self._carry(records, epoch)
+        self._replace(records)
+        self.nodes.update(carried)
+
+    def _carry(self, records: list[RegisteredNode], epoch: str) -> dict[str, NodeState]:
+        now, listed = time.monotonic(), {r.node_id for r in records}
+        forgot = bool(epoch and self.epoch and epoch != self.epoch)
+        self.epoch = epoch or self.epoch
+        carried = {}
+        for node_id, n in self.nodes.items():
+            if node_id in listed:
+                continue
+            if forgot and n.carried_until is None:
+                n.carried_until = now + n.record.ttl_s
+                log.info("registry restarted empty; keeping node %s for %.0fs until it "
+                         "re-registers", node_id, n.record.ttl_s)
+            if n.carried_until is not None and now < n.carried_until:
+                carried[node_id] = n
+        return carried
+
+    def _replace(self, records: list[RegisteredNode]) -> None:
         if not self.model and records:
             self.model = records[0].model
             log.info("serving model %r (from node %s)", self.model, records[0].node_id)
@@ -90,14 +120,15 @@ class NodeTable:
                 continue
             old = self.nodes.get(rec.node_id)
             if old is not None and old.record.instance_id == rec.instance_id:
-                old.record = rec
+                old.record, old.carried_until = rec, None
                 fresh[rec.node_id] = old
             else:
                 log.info("%s %s node %s at %s", "restarted" if old else "new", rec.role,
                          rec.node_id, rec.http_url)
                 fresh[rec.node_id] = NodeState(rec, self.new_breaker())
         for gone in self.nodes.keys() - fresh.keys():
-            log.info("node %s left the registry", gone)
+            if self.nodes[gone].carried_until is None:
+                log.info("node %s left the registry", gone)
         self.nodes = fresh
 
     def of_role(self, role: str) -> list[NodeState]:

@@ -1,7 +1,9 @@
 """Keeps the node table in step with the registry: one read every `--registry-poll-s`,
 and an early read when a request finds no usable node (a node that just registered
 should not wait for the next tick). While the registry is unreachable the last table
-stays in use: nodes keep serving and their breakers still guard against dead ones.
+stays in use: nodes keep serving and their breakers still guard against dead ones. A
+registry that comes back empty (its store's epoch changed) does not empty the table
+either: see NodeTable.update.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class RegistryWatcher:
             log.info("registry reachable again")
         self.last_error = ""
         self.last_read = time.monotonic()
-        self.table.update(records)
+        self.table.update(records, self.client.epoch)
         self.on_update()
 
     def close(self) -> None:

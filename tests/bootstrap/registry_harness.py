@@ -110,10 +110,13 @@ class RedisPrefix:
     def keys(self) -> list[str]:
         return list(self.client.scan_iter(match=f"{self.prefix}*", count=1000))
 
-    def cleanup(self) -> None:
+    def cleanup_keys(self) -> None:
         keys = self.keys()
         if keys:
             self.client.delete(*keys)
+
+    def cleanup(self) -> None:
+        self.cleanup_keys()
         self.client.close()
 
 

@@ -74,7 +74,9 @@ def test_ttl_is_a_redis_expiry_and_keys_stay_under_the_prefix(
     assert httpx.put(url, json=record, headers={"Authorization": "Bearer t"}).status_code == 201
     key = f"{redis_prefix.prefix}node:{record['node_id']}"
     assert 4000 < redis_prefix.client.pttl(key) <= 5000  # Redis itself forgets dead nodes
-    assert set(redis_prefix.keys()) == {key, f"{redis_prefix.prefix}index"}
+    assert set(redis_prefix.keys()) == {key, f"{redis_prefix.prefix}index",
+                                        f"{redis_prefix.prefix}epoch"}
+    assert redis_prefix.client.pttl(f"{redis_prefix.prefix}epoch") == -1  # never expires
 
 
 def test_redis_outage_is_503_and_recovers(start_registry, redis_prefix: RedisPrefix) -> None:
@@ -96,3 +98,28 @@ def test_redis_outage_is_503_and_recovers(start_registry, redis_prefix: RedisPre
         proxy.start()
         wait_for(lambda: httpx.get(f"{registry.url}/health").status_code == 200, 10, "recovery")
         assert httpx.get(url).json()["instance_id"] == record["instance_id"]
+
+
+def test_epoch_changes_only_when_the_store_lost_its_records(
+        start_registry, redis_prefix: RedisPrefix) -> None:
+    """Every /v1/nodes answer names the store's epoch; two replicas share it, a registry
+    restart keeps it (Redis kept the records), a Redis that lost them gets a new one."""
+    args = store_args("redis", redis_prefix)
+    a, b = start_registry(*args), start_registry(*args)
+    rec = node_record(role="prefill")
+    assert httpx.put(f"{a.url}/v1/nodes/{rec['node_id']}", json=rec).status_code == 201
+    epoch = httpx.get(f"{a.url}/v1/nodes").headers["x-registry-epoch"]
+    assert epoch and httpx.get(f"{b.url}/v1/nodes/{rec['node_id']}").headers[
+        "x-registry-epoch"] == epoch
+    missing = httpx.get(f"{b.url}/v1/nodes/nobody")
+    assert missing.status_code == 404 and missing.headers["x-registry-epoch"] == epoch
+    redis_prefix.cleanup_keys()  # the Redis forgot everything (flushed, restarted empty)
+    new = httpx.get(f"{a.url}/v1/nodes").headers["x-registry-epoch"]
+    assert new != epoch and httpx.get(f"{b.url}/v1/nodes").headers["x-registry-epoch"] == new
+
+
+def test_memory_store_epoch_is_per_process(start_registry) -> None:
+    a, b = start_registry(), start_registry()
+    ea = httpx.get(f"{a.url}/v1/nodes").headers["x-registry-epoch"]
+    assert ea == httpx.get(f"{a.url}/v1/nodes").headers["x-registry-epoch"]
+    assert ea != httpx.get(f"{b.url}/v1/nodes").headers["x-registry-epoch"]
