@@ -59,6 +59,8 @@ def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_port_free(cfg.host, cfg.port)
+    if cfg.role == "prefill" and cfg.pd.bootstrap_port:  # before loading anything
+        check_port_free(cfg.host, cfg.pd.bootstrap_port)
     from transformers import AutoTokenizer
 
     from pdserve.models.builtin import resolve_model
