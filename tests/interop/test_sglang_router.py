@@ -99,7 +99,17 @@ def test_worker_endpoints_and_batched_body_through_the_router(cluster, r1):
     assert [m["id"] for m in models["data"]] == [MODEL]
     info = httpx.get(f"{r1.url}/get_model_info", timeout=10).json()
     assert info["model_path"] == MODEL and info["is_generation"] is True
+    # /flush_cache through the router reaches the nodes: their cached prefixes are freed.
+    r = post(r1.url, "/generate", {"input_ids": random_prompt(80, seed=7003),
+                                   "sampling_params": GREEDY})
+    assert r.status == 200, r
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    for node in (prefill, decode):
+        s = node.wait_pools_full()
+        assert s["free_pages"] < s["total_pages"], s  # the prompt's pages are cached
     assert httpx.post(f"{r1.url}/flush_cache", timeout=30).status_code == 200
+    for node in (prefill, decode):
+        _wait_all_pages_free(node)
     for node in (cluster.prefills[0], cluster.decodes[0]):
         for path in ("/health_generate", "/get_server_info", "/model_info"):
             assert httpx.get(node.url + path, timeout=10).status_code == 200, path
@@ -110,6 +120,13 @@ def test_worker_endpoints_and_batched_body_through_the_router(cluster, r1):
     assert r.status == 400 and "batched requests are not supported" in r.raw, r
     cluster.decodes[0].wait_pools_full()
     cluster.prefills[0].wait_pools_full()
+
+
+def _wait_all_pages_free(node, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while (s := node.stats())["free_pages"] != s["total_pages"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.1)
 
 
 def test_2p2d_round_robin_exact(cluster):
@@ -131,8 +148,13 @@ def test_2p2d_round_robin_exact(cluster):
         t.join(180)
     for i, w in enumerate(want):
         assert results[i].status == 200 and results[i].body["output_ids"] == w, results[i]
-    after = [rooms_succeeded(n) for n in nodes]
-    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    deadline = time.monotonic() + 10  # node stats refresh every 0.25 s
+    while True:  # round robin: every prefill and every decode served some of the legs
+        after = [rooms_succeeded(n) for n in nodes]
+        if all(a > b for a, b in zip(after, before, strict=True)):
+            break
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.1)
     for node in nodes:
         node.wait_pools_full()
 
