@@ -4,11 +4,23 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
-from sglang_harness import DECODE_FLAGS, MODEL, PREFILL_FLAGS, Node, Registry, SGLangRouter
+from sglang_harness import (
+    DECODE_FLAGS,
+    MODEL,
+    PREFILL_FLAGS,
+    Node,
+    Proc,
+    Registry,
+    SGLangRouter,
+    free_port,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,7 +35,7 @@ class Cluster:
         self.registry = Registry(log_dir)
         self.prefills: list[Node] = []
         self.decodes: list[Node] = []
-        self.routers: list[SGLangRouter] = []
+        self.routers: list[Proc] = []
 
     def start(self, n_prefill: int, n_decode: int) -> Cluster:
         self.registry.start()
@@ -41,6 +53,26 @@ class Cluster:
         r = SGLangRouter(prefills, decodes, self.log_dir, flags)
         self.routers.append(r)
         return r.start()
+
+    def pdserve_router(self) -> str:
+        """pdserve's own router over the same registry; its URL once healthy."""
+        port = free_port()
+        proc = Proc("pdserve-router", [sys.executable, "-m", "pdserve.cli", "router",
+                                       "--registry", self.registry.url, "--port", str(port),
+                                       "--log-level", "warning"], self.log_dir)
+        self.routers.append(proc)
+        proc.spawn()
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.alive, proc.log()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, proc.log()
+            time.sleep(0.25)
 
     def close(self) -> None:
         for proc in [*self.routers, *self.prefills, *self.decodes, self.registry]:

@@ -147,5 +147,5 @@ def _json_or_none(text: str):
         return None
 
 
-__all__ = ["DECODE_FLAGS", "MODEL", "Node", "PREFILL_FLAGS", "Registry", "SGLangRouter",
-           "post", "router_version"]
+__all__ = ["DECODE_FLAGS", "MODEL", "Node", "PREFILL_FLAGS", "Proc", "Registry",
+           "SGLangRouter", "free_port", "post", "router_version"]

@@ -5,7 +5,8 @@ SGLang's router"):
 - 1P1D: /generate, /v1/completions and /v1/chat/completions, plain and streaming, equal
   pdserve's offline greedy output token for token; the worker endpoints the router calls
   work through it; a batched body is a clear 400; pools return to full;
-- 2P2D with round-robin: every node serves legs, every output exact;
+- 2P2D with round-robin: every node serves legs, every output exact; pdserve's own router
+  serves the same nodes at the same time;
 - decode legs naming an unknown, unreachable or incompatible prefill by bootstrap address
   are a clear 503 / 400;
 - kill -9 of the prefill node mid-request: every client request through the router ends
@@ -23,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from pd_pair import colocated, colocated_greedy, random_prompt
-from sglang_harness import MODEL, SGLANG_ROUTER_VERSION, post, router_version
+from sglang_harness import MODEL, SGLANG_ROUTER_VERSION, free_port, post, router_version
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.protocol import chat_prompt_ids
@@ -159,6 +160,30 @@ def test_2p2d_round_robin_exact(cluster):
         node.wait_pools_full()
 
 
+def test_pdserve_router_serves_the_same_nodes_alongside(cluster, r1):
+    """Speaking SGLang's dialect changes nothing for pdserve's router: both routers send
+    legs to the same nodes at the same time, every output exact."""
+    ours = cluster.pdserve_router()
+    prompts = [random_prompt(30 + 5 * i, seed=7150 + i) for i in range(6)]
+    want = colocated_greedy(MODEL, prompts, N)
+    results: dict[int, object] = {}
+
+    def one(i: int) -> None:
+        url = r1.url if i % 2 else ours
+        results[i] = post(url, "/generate", {"input_ids": prompts[i],
+                                             "sampling_params": GREEDY})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for i, w in enumerate(want):
+        assert results[i].status == 200 and results[i].body["output_ids"] == w, results[i]
+    for node in cluster.prefills + cluster.decodes:
+        node.wait_pools_full()
+
+
 class _StubBootstrap(BaseHTTPRequestHandler):
     """A bootstrap endpoint answering a given record (test double for the decode check)."""
 
@@ -210,8 +235,6 @@ def test_bad_bootstrap_addresses_are_clear_errors(cluster):
 
 
 def _closed_port() -> int:
-    from pd_procs import free_port
-
     return free_port()  # bound and released: nothing listens there
 
 
