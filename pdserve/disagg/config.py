@@ -20,6 +20,8 @@ class PDConfig:
     # How long a starting node keeps trying an unreachable registry before it gives up.
     registry_wait_s: float = 60.0
     disable_early_send: bool = False  # prefill: do not send cached prefix pages early
+    # prefill: serve SGLang's bootstrap endpoint on this port (None: off; 0: a free port)
+    bootstrap_port: int | None = None
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @staticmethod
@@ -36,6 +38,12 @@ class PDConfig:
                             "this long; a refused record or token exits at once")
         g.add_argument("--disable-early-send", action="store_true",
                        help="prefill: do not send cached prefix pages before the forward")
+        g.add_argument("--disaggregation-bootstrap-port", dest="bootstrap_port", type=int,
+                       default=None, metavar="PORT",
+                       help="prefill: serve the bootstrap endpoint SGLang's router names "
+                            "with `--prefill URL PORT` on this port (0: a free one, shown "
+                            "in /server_info); off by default. SGLang's default, 8998, is "
+                            "also pdserve registry's")
         t = p.add_argument_group("KV transfer")
         t.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "tcp"])
         t.add_argument("--kv-host", default="127.0.0.1",
@@ -61,6 +69,9 @@ class PDConfig:
     def from_cli(cls, args: argparse.Namespace) -> PDConfig:
         if args.registry_ttl_s <= 0 or args.registry_wait_s <= 0:
             raise ValueError("--registry-ttl-s and --registry-wait-s must be positive")
+        port = getattr(args, "bootstrap_port", None)
+        if port is not None and not 0 <= port < 65536:
+            raise ValueError(f"--disaggregation-bootstrap-port must be in 0..65535, got {port}")
         transfer = KVTransferConfig(
             backend=args.transfer_backend, host=args.kv_host,
             mooncake_protocol=args.mooncake_protocol, device_name=args.mooncake_device,
@@ -72,4 +83,5 @@ class PDConfig:
         return cls(registry_url=args.registry_url, registry_token=args.registry_token,
                    node_id=args.node_id, registry_ttl_s=args.registry_ttl_s,
                    registry_wait_s=args.registry_wait_s,
-                   disable_early_send=args.disable_early_send, transfer=transfer)
+                   disable_early_send=args.disable_early_send, bootstrap_port=port,
+                   transfer=transfer)

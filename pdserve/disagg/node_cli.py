@@ -26,6 +26,9 @@ def run(args: argparse.Namespace, role: str) -> int:
 
     try:
         cfg = ServerConfig.from_cli(args, role)
+        if role == "decode" and cfg.pd.bootstrap_port is not None:
+            raise ValueError("--disaggregation-bootstrap-port is a prefill node flag: a "
+                             "decode node learns each prefill's address from the request")
         if cfg.pd.transfer.backend == "mooncake":
             from kv_transfer import available_backends, mooncake_import_error
 

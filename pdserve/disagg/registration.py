@@ -30,20 +30,22 @@ class RegistrationFailed(RuntimeError):
     """The node cannot join the registry: the launcher prints one line and exits 1."""
 
 
-def register_node(cfg, ready, get_stats) -> tuple[RegistryClient, dict]:
+def register_node(cfg, ready, get_stats, extra: dict | None = None
+                  ) -> tuple[RegistryClient, dict]:
     """Register and start the heartbeat; raise RegistrationFailed when the registry refuses
-    us (wrong token, bad record) or stays unreachable for `--registry-wait-s`."""
+    us (wrong token, bad record) or stays unreachable for `--registry-wait-s`. `extra`
+    adds record fields (a prefill's `bootstrap_port`)."""
     client = RegistryClient(cfg.pd.registry_url, token=cfg.pd.registry_token or None)
     try:
-        record = _register(client, cfg, ready, get_stats)
+        record = _register(client, cfg, ready, get_stats, extra or {})
     except BaseException:
         client.close()
         raise
     return client, record
 
 
-def _register(client: RegistryClient, cfg, ready, get_stats) -> dict:
-    record = node_record(cfg, ready)
+def _register(client: RegistryClient, cfg, ready, get_stats, extra: dict) -> dict:
+    record = {**node_record(cfg, ready), **extra}
 
     def load() -> dict:
         s = get_stats()
@@ -69,31 +71,50 @@ def _register(client: RegistryClient, cfg, ready, get_stats) -> dict:
 
 
 class PrefillPeerResolver:
-    """Decode node: turn `prefill_node_id` into the prefill's KV endpoint, refusing peers
-    whose KV cannot land in our pool."""
+    """Decode node: turn a leg's prefill reference into the prefill's KV endpoint, refusing
+    peers whose KV cannot land in our pool. The reference is `prefill_node_id` (pdserve's
+    router: a registry lookup) or `bootstrap_host` + `bootstrap_port` (SGLang's router: the
+    prefill's bootstrap endpoint, `bootstrap_peer.py`)."""
 
     FIELDS = ("model", "page_size", "kv_layout", "transfer_backend")
 
     def __init__(self, client: RegistryClient, me: dict) -> None:
+        from pdserve.disagg.bootstrap_peer import BootstrapPeers
+
         self.client, self.me = client, me
+        self.bootstrap = BootstrapPeers()
         # node_id -> (record, store epoch when read, time.monotonic() when read)
         self._seen: dict[str, tuple[RegisteredNode, str, float]] = {}
 
     async def resolve(self, extra: dict) -> dict:
-        node_id = extra.get("prefill_node_id")
-        if not node_id:
-            raise ApiError(400, "a decode node needs `prefill_node_id` and `bootstrap_room`")
+        extra = dict(extra)
+        node_id = extra.pop("prefill_node_id", None)
+        host, port = extra.pop("bootstrap_host", None), extra.pop("bootstrap_port", None)
+        if node_id:
+            peer, label = await self._from_registry(node_id), f"prefill node {node_id!r}"
+        elif host and port:
+            peer = await self.bootstrap.lookup(host, port)
+            label = f"prefill node {peer.get('node_id')!r} (bootstrap {host}:{port})"
+            if peer.get("role") != "prefill":
+                raise ApiError(503, f"{label} is not a prefill node",
+                               "prefill_node_unavailable")
+        else:
+            raise ApiError(400, "a decode node needs `bootstrap_room` and either "
+                                "`prefill_node_id` (pdserve's router) or `bootstrap_host` + "
+                                "`bootstrap_port` (SGLang's router)")
+        for name in self.FIELDS:
+            if peer.get(name) != self.me.get(name):
+                raise ApiError(400, f"{label} is incompatible: {name} "
+                                    f"{peer.get(name)!r} != ours {self.me.get(name)!r}")
+        return {**extra, "prefill_kv_endpoint": peer["kv_endpoint"]}
+
+    async def _from_registry(self, node_id: str) -> dict:
         node = await asyncio.to_thread(self.client.get_node, node_id)
         node = self._remember(node_id, node)
         if node is None or node.role != "prefill":
             raise ApiError(503, f"no live prefill node {node_id!r} in the registry",
                            "prefill_node_unavailable")
-        peer = node.model_dump(mode="json")
-        for name in self.FIELDS:
-            if peer.get(name) != self.me.get(name):
-                raise ApiError(400, f"prefill node {node_id!r} is incompatible: {name} "
-                                    f"{peer.get(name)!r} != ours {self.me.get(name)!r}")
-        return {**extra, "prefill_kv_endpoint": peer["kv_endpoint"]}
+        return node.model_dump(mode="json")
 
     def _remember(self, node_id: str, node: RegisteredNode | None) -> RegisteredNode | None:
         """A record the registry just forgot because its store restarted empty (a new

@@ -115,8 +115,9 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
         body.validate_input()
-        if body.bootstrap_room is not None or body.prefill_node_id is not None:
-            raise ApiError(400, "bootstrap_room and prefill_node_id are set by the router")
+        if body.leg_fields():
+            raise ApiError(400, "bootstrap_room, prefill_node_id, bootstrap_host and "
+                                "bootstrap_port are set by the router")
         tok = await gw.tokenizer()
         ids = tok.encode(body.text if body.text is not None else body.input_ids)
         sp = body.sampling_params.model_dump()

@@ -23,6 +23,7 @@ from pdserve.server.protocol import (
     chat_prompt_ids,
     fit_max_tokens,
 )
+from pdserve.server.sglang_routes import add_sglang_routes, sglang_server_info
 
 log = logging.getLogger("pdserve.server")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
@@ -67,6 +68,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
+def node_info(front: Frontend) -> dict:
+    """/server_info: pdserve's fields, plus the SGLang names its router reads
+    (`sglang_routes.py`)."""
+    s, ready = front.client.stats, front.client.ready
+    return {"model": front.cfg.model_name, "context_length": front.context_length,
+            "engine": ready.engine_info, "stats": vars(s) if s else None,
+            "open_requests": len(front.client.handles), **sglang_server_info(front)}
+
+
 def build_app(front: Frontend, lifespan=None) -> FastAPI:
     app = FastAPI(title="pdserve node", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
@@ -80,10 +90,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
 
     @app.get("/server_info")
     async def server_info():
-        s = front.client.stats
-        return {"model": model, "context_length": front.context_length,
-                "engine": front.client.ready.engine_info,
-                "stats": vars(s) if s else None, "open_requests": len(front.client.handles)}
+        return node_info(front)
 
     @app.get("/metrics")
     async def metrics():
@@ -104,9 +111,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         sp["max_new_tokens"] = fit_max_tokens(
             len(ids), sp["max_new_tokens"] if explicit else None, sp["max_new_tokens"],
             front.context_length, front.cfg.truncate_max_tokens)
-        extra = {k: v for k in ("bootstrap_room", "prefill_node_id")
-                 if (v := getattr(body, k)) is not None}
-        extra = await front.resolve_extra(extra)
+        extra = await front.resolve_extra(body.leg_fields())
         if body.stream:
             events = await _started(front.run(ids, sp, body.rid, extra))
             return StreamingResponse(_generate_sse(events), media_type="text/event-stream")
@@ -138,20 +143,23 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
               "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
               "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,
               "seed": body.seed}
+        # A PD leg sent by SGLang's router: its bootstrap fields ride on OpenAI bodies too.
+        extra = await front.resolve_extra(body.leg_fields())
         created = int(time.time())
         if body.stream:
-            events = await _started(front.run(ids, sp))
+            events = await _started(front.run(ids, sp, extra=extra))
             usage = bool(body.stream_options and body.stream_options.include_usage)
             fmt = completion_stream if kind == "text_completion" else chat_stream
             return StreamingResponse(fmt(events, model, created, usage),
                                      media_type="text/event-stream")
         last = None
-        async for ev in front.run(ids, sp, disconnected=request.is_disconnected):
+        async for ev in front.run(ids, sp, extra=extra, disconnected=request.is_disconnected):
             last = ev
         if last is None:
             return error_response(499, "client disconnected")
         return final_response(kind, last, model, created)
 
+    add_sglang_routes(app, front, node_info)
     return app
 
 

@@ -93,6 +93,10 @@ class EngineClient:
         if handle is not None and not handle.finished and self.alive:
             await self.push.send(m.encode(m.AbortRequest(rid)))
 
+    async def flush_cache(self) -> None:
+        if self.alive:
+            await self.push.send(m.encode(m.FlushCache()))
+
     def release(self, rid: str) -> None:
         self.handles.pop(rid, None)
 

@@ -38,12 +38,14 @@ class Frontend:
         self.metrics = metrics
         self.client_rids: set[str] = set()  # client-given rids of open requests
         self.leg_resolver = None  # decode nodes: resolves prefill_node_id (registration.py)
+        self.bootstrap_port: int | None = None  # prefill nodes: SGLang bootstrap endpoint
 
     async def resolve_extra(self, extra: dict) -> dict:
-        """Role fields of a /generate leg, completed (decode: the prefill's KV endpoint)."""
+        """Role fields of a PD leg, completed (decode: the prefill's KV endpoint). Other
+        nodes need no bootstrap address: a prefill is itself the one it names."""
         if self.leg_resolver is not None and self.cfg.role == "decode":
             return await self.leg_resolver.resolve(extra)
-        return extra
+        return {k: v for k, v in extra.items() if k not in ("bootstrap_host", "bootstrap_port")}
 
     @property
     def context_length(self) -> int:

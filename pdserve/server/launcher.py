@@ -59,6 +59,8 @@ def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_port_free(cfg.host, cfg.port)
+    if cfg.role == "prefill" and cfg.pd.bootstrap_port:  # before loading anything
+        check_port_free(cfg.host, cfg.pd.bootstrap_port)
     from transformers import AutoTokenizer
 
     from pdserve.models.builtin import resolve_model
@@ -85,14 +87,25 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def _register(cfg, client, front):
+def _register(cfg, client, front, extra: dict):
     from pdserve.disagg.registration import PrefillPeerResolver, register_node
 
-    registry, record = register_node(cfg, client.ready, lambda: client.stats)
+    registry, record = register_node(cfg, client.ready, lambda: client.stats, extra)
     if cfg.role == "decode":
         front.leg_resolver = PrefillPeerResolver(registry, record)
     log.info("registered as %s (%s) at %s", record["node_id"], cfg.role, cfg.pd.registry_url)
-    return registry
+    return registry, record
+
+
+def _bootstrap_socket(cfg):
+    """Prefill with --disaggregation-bootstrap-port: the bound socket of SGLang's bootstrap
+    endpoint (docs/architecture.md: Interfaces), before registering, so a taken port fails
+    the start and port 0 is resolved for the record."""
+    if cfg.role != "prefill" or cfg.pd.bootstrap_port is None:
+        return None
+    from pdserve.disagg.bootstrap_server import bind_bootstrap_socket
+
+    return bind_bootstrap_socket(cfg.host, cfg.pd.bootstrap_port)
 
 
 async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
@@ -108,21 +121,33 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
         return 1
     client.start()
     front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
-    registry = None
+    registry = bootstrap = None
     if cfg.pd is not None:
         from pdserve.disagg.registration import RegistrationFailed
+        from pdserve.ports import PortInUse
 
         try:
-            registry = await asyncio.to_thread(_register, cfg, client, front)
-        except RegistrationFailed as exc:  # one clear line, no traceback
+            sock = _bootstrap_socket(cfg)
+            extra = {} if sock is None else {"bootstrap_port": sock.getsockname()[1]}
+            registry, record = await asyncio.to_thread(_register, cfg, client, front, extra)
+        except (RegistrationFailed, PortInUse) as exc:  # one clear line, no traceback
             print(f"pdserve {cfg.role}: error: {exc}", file=sys.stderr, flush=True)
             await client.close()
             ctx.term()
             return 1
+        if sock is not None:
+            from pdserve.disagg.bootstrap_server import BootstrapServer
+
+            bootstrap = BootstrapServer(sock, record)
+            bootstrap.start()
+            front.bootstrap_port = bootstrap.port
+            log.info("SGLang bootstrap endpoint on %s:%d", cfg.host, bootstrap.port)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
+        if bootstrap is not None:
+            await bootstrap.stop()
         if registry is not None:  # leave the registry first: no new legs come our way
             await asyncio.to_thread(registry.close)
         await client.close()  # tells the scheduler to abort what is left and exit

@@ -26,6 +26,11 @@ class AbortRequest:
 
 
 @dataclass
+class FlushCache:
+    """Drop every prefix-cache page no request holds (SGLang's /flush_cache)."""
+
+
+@dataclass
 class Shutdown:
     drain: bool = False
 
@@ -86,8 +91,8 @@ class Stats:
 
 
 MESSAGES = {cls.__name__: cls for cls in (
-    GenerateRequest, AbortRequest, Shutdown, Accepted, Rejected, TokenUpdate, TokenBatch,
-    Ready, Stats)}
+    GenerateRequest, AbortRequest, FlushCache, Shutdown, Accepted, Rejected, TokenUpdate,
+    TokenBatch, Ready, Stats)}
 
 
 def encode(msg) -> bytes:

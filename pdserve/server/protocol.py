@@ -11,6 +11,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from pdserve.plain_json import unsafe_reason
+from pdserve.server.errors import ApiError
+from pdserve.server.sglang_body import BootstrapFields, SGLangGenerateFlags
+
+__all__ = ["ApiError"]  # re-exported: callers import it from here
 
 # Every integer that crosses to the scheduler must fit msgpack's 64-bit ints (and torch).
 # Integers and booleans are strict, as OpenAI's are: "16", 16.0 or true is no max_tokens,
@@ -23,12 +27,6 @@ TopK = Annotated[int, Field(strict=True, ge=-1, lt=I32)]
 Temperature = Annotated[float, Field(strict=True, ge=0)]
 TopP = Annotated[float, Field(strict=True, gt=0, le=1)]
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
 
 
 class _PlainJson(BaseModel):
@@ -59,20 +57,21 @@ class SamplingBody(BaseModel):
     seed: Seed | None = None
 
 
-class GenerateBody(_PlainJson):
+class GenerateBody(_PlainJson, BootstrapFields, SGLangGenerateFlags):
     text: str | None = None
     input_ids: list[TokenId] | None = None
     sampling_params: SamplingBody = Field(default_factory=SamplingBody)
     stream: StrictBool = False
     rid: str | None = Field(None, max_length=128)
     # Internal fields of the PD legs (docs/architecture.md: Request lifecycles); the router fills
-    # them in.
-    bootstrap_room: int | None = Field(None, strict=True, ge=0, lt=1 << 63)
+    # them in: `bootstrap_room` (BootstrapFields) with `prefill_node_id` (pdserve's router)
+    # or with `bootstrap_host` + `bootstrap_port` (SGLang's router).
     prefill_node_id: str | None = Field(None, max_length=256)
 
     def validate_input(self) -> None:
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "give exactly one of `text` or `input_ids`")
+        self.check_sglang_flags()
 
 
 class StreamOptions(BaseModel):
@@ -80,7 +79,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _OpenAICommon(_PlainJson):
+class _OpenAICommon(_PlainJson, BootstrapFields):
     # Unknown OpenAI fields are ignored (but must still be plain JSON).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str

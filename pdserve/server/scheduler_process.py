@@ -79,6 +79,9 @@ class SchedulerService:
             self._admit(msg)
         elif isinstance(msg, m.AbortRequest):
             self.engine.abort(msg.rid)
+        elif isinstance(msg, m.FlushCache):
+            if self.engine.kv.cache is not None:  # locked (in-use) prefixes stay
+                self.engine.kv.cache.reset()
         elif isinstance(msg, m.Shutdown):
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)

@@ -1,0 +1,101 @@
+"""SGLang wire-protocol pieces without a cluster: the bodies SGLang's router sends (as
+captured from sglang-router 0.3.2), batched bodies, the bootstrap lookup's errors, and the
+`--disaggregation-bootstrap-port` flag's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.disagg.bootstrap_peer import BootstrapPeers, bootstrap_url
+from pdserve.ports import free_port
+from pdserve.server.protocol import ApiError, ChatBody, CompletionBody, GenerateBody
+
+LEG = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8999, "bootstrap_room": 12345}
+# What sglang-router 0.3.2 posts to both workers for a client's /generate.
+ROUTER_GENERATE = {"model": None, "input_ids": [1, 2], "return_text_in_logprobs": False,
+                   "stream": True, "log_metrics": True, "return_hidden_states": False,
+                   "background": False, "no_logs": False, "return_bytes": False,
+                   "return_entropy": False, **LEG}
+ROUTER_CHAT = {"messages": [{"role": "user", "content": "hi"}], "model": "m",
+               "logprobs": False, "max_completion_tokens": 3, "stream": False,
+               "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+               "skip_special_tokens": True, "separate_reasoning": True,
+               "stream_reasoning": True, "return_hidden_states": False, **LEG}
+
+
+def test_router_bodies_are_accepted_with_their_leg_fields():
+    g = GenerateBody.model_validate(ROUTER_GENERATE)
+    g.validate_input()
+    assert g.leg_fields() == LEG
+    assert ChatBody.model_validate(ROUTER_CHAT).leg_fields() == LEG
+    c = CompletionBody.model_validate({"model": "m", "prompt": "hi", "echo": False, **LEG})
+    assert c.leg_fields() == LEG
+
+
+@pytest.mark.parametrize("body", [
+    [{"text": "a"}],
+    {"text": ["a", "b"]},
+    {"input_ids": [[1, 2], [3]]},
+    {"input_ids": [1, 2], "bootstrap_room": [1, 2]},
+    {"input_ids": [1, 2], "bootstrap_host": ["h", "h"]},
+])
+def test_batched_generate_bodies_are_a_clear_400(body):
+    with pytest.raises(ApiError) as e:
+        GenerateBody.model_validate(body)
+    assert e.value.status == 400 and "batched requests are not supported" in e.value.message
+
+
+def test_batched_completion_prompts_are_a_clear_400():
+    with pytest.raises(ApiError, match="batched"):
+        CompletionBody.model_validate({"model": "m", "prompt": [[1, 2], [3]]})
+
+
+@pytest.mark.parametrize("flag", ["return_logprob", "return_hidden_states", "background"])
+def test_sglang_features_pdserve_lacks_are_400_only_when_asked_for(flag):
+    GenerateBody.model_validate({"text": "a", flag: False}).validate_input()
+    with pytest.raises(ApiError, match=flag):
+        GenerateBody.model_validate({"text": "a", flag: True}).validate_input()
+
+
+@pytest.mark.parametrize("bad", [{"bootstrap_port": 0}, {"bootstrap_port": "8999"},
+                                 {"bootstrap_host": ""}, {"bogus": 1}])
+def test_bad_leg_fields_and_unknown_fields_are_refused(bad):
+    with pytest.raises(ValueError):
+        GenerateBody.model_validate({"text": "a", **bad})
+
+
+def test_bootstrap_url_brackets_ipv6():
+    assert bootstrap_url("::1", 8999) == "http://[::1]:8999/bootstrap"
+    assert bootstrap_url("10.0.0.2", 8999) == "http://10.0.0.2:8999/bootstrap"
+
+
+def test_unreachable_bootstrap_address_is_503():
+    with pytest.raises(ApiError) as e:
+        asyncio.run(BootstrapPeers(timeout_s=2).lookup("127.0.0.1", free_port()))
+    assert e.value.status == 503 and "unreachable" in e.value.message
+    assert e.value.code == "prefill_node_unavailable"
+
+
+def _node(role: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", role, "--model", "tiny-llama",
+                           "--registry", "http://127.0.0.1:9", "--port", str(free_port()),
+                           *flags], capture_output=True, text=True, timeout=120)
+
+
+def test_bootstrap_port_flag_is_refused_on_decode_and_when_taken():
+    r = _node("decode", "--disaggregation-bootstrap-port", "8999")
+    assert r.returncode != 0 and "prefill node flag" in r.stderr, r.stderr
+    r = _node("prefill", "--disaggregation-bootstrap-port", "70000")
+    assert r.returncode != 0 and "0..65535" in r.stderr, r.stderr
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        r = _node("prefill", "--disaggregation-bootstrap-port", str(held.getsockname()[1]),
+                  "--transfer-backend", "tcp")
+    assert r.returncode != 0 and "already in use" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
