@@ -1,0 +1,142 @@
+"""The processes of the chaos soak (bench/chaos.py): a registry, prefill and decode nodes and
+a router, each a real `pdserve` process in its own session on a fixed loopback port, so
+that any of them can be killed with -9, paused with SIGSTOP, and restarted in place (same
+node id and port; a node comes back as a new instance and re-registers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pdserve.ports import free_port
+
+MODEL = "tiny-llama"
+# Short registry TTL and KV heartbeat: dead nodes leave within seconds, so a soak of a few
+# minutes sees several faults play out to the end.
+NODE_FLAGS = ["--registry-ttl-s", "3", "--kv-heartbeat-interval-s", "1",
+              "--kv-heartbeat-misses", "3", "--max-total-tokens", "8192", "--log-level",
+              "warning"]
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", *args]
+
+
+@dataclass
+class Member:
+    name: str  # registry | prefill-0 | decode-1 | router
+    cmd: list[str]
+    url: str
+    log: Path
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+    paused: bool = False
+    history: list[str] = field(default_factory=list)
+
+    def spawn(self) -> None:
+        self.starts += 1
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        return False
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if not self.alive or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not become ready; see {self.log}")
+            time.sleep(0.3)
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def kill9(self) -> None:
+        self.signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.paused:
+            self.signal_group(signal.SIGCONT)
+        if self.alive:
+            self.signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)  # type: ignore[union-attr]
+        self.kill9()
+
+
+class Cluster:
+    """registry + P prefill + D decode nodes + router, all on this machine."""
+
+    def __init__(self, log_dir: Path, prefill: int, decode: int, backend: str) -> None:
+        reg_port = free_port()
+        self.registry_url = f"http://127.0.0.1:{reg_port}"
+        self.members: dict[str, Member] = {}
+        self._add("registry", _cmd("registry", "--port", str(reg_port)), reg_port, log_dir)
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            for i in range(n):
+                port = free_port()
+                self._add(f"{role}-{i}", _cmd(
+                    role, "--model", MODEL, "--port", str(port), "--registry",
+                    self.registry_url, "--node-id", f"{role}-{i}", "--transfer-backend",
+                    backend, *NODE_FLAGS), port, log_dir)
+        port = free_port()
+        self._add("router", _cmd("router", "--registry", self.registry_url, "--port", str(port),
+                                 "--model", MODEL, "--registry-poll-s", "0.5",
+                                 "--request-timeout-s", "120"), port, log_dir)
+
+    def _add(self, name: str, cmd: list[str], port: int, log_dir: Path) -> None:
+        self.members[name] = Member(name, cmd, f"http://127.0.0.1:{port}",
+                                    log_dir / f"{name}.log")
+
+    @property
+    def router(self) -> str:
+        return self.members["router"].url
+
+    def nodes(self) -> list[Member]:
+        return [m for m in self.members.values() if m.name.startswith(("prefill", "decode"))]
+
+    def start(self) -> None:
+        reg = self.members["registry"]
+        reg.spawn()
+        reg.wait_ready(60)
+        for m in self.members.values():
+            if m is not reg:
+                m.spawn()
+        for m in self.members.values():
+            m.wait_ready()
+        deadline = time.monotonic() + 120  # the router sees a usable pair
+        while not self.members["router"].ready() or not self._routable():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router never saw every node")
+            time.sleep(0.5)
+
+    def _routable(self) -> bool:
+        nodes = httpx.get(f"{self.router}/nodes", timeout=5).json()["nodes"]
+        return {n["node_id"] for n in nodes} >= {m.name for m in self.nodes()}
+
+    def stop(self) -> None:
+        order = ["router", *[m.name for m in self.nodes()], "registry"]
+        for name in order:
+            self.members[name].stop()
