@@ -26,14 +26,9 @@ def run(args: argparse.Namespace, role: str) -> int:
 
     try:
         cfg = ServerConfig.from_cli(args, role)
-        if cfg.pd.transfer.backend == "mooncake":
-            from kv_transfer import available_backends, mooncake_import_error
+        from pdserve.disagg.preflight import check_transfer_setup
 
-            if "mooncake" not in available_backends():
-                raise RuntimeError("the mooncake transfer backend is unavailable "
-                                   f"({mooncake_import_error()}); install "
-                                   "mooncake-transfer-engine-non-cuda and libibverbs1, "
-                                   "or use --transfer-backend tcp")
+        check_transfer_setup(cfg)  # e.g. KV on cuda with a non-CUDA Mooncake build
         return serve(cfg)
     except (ValueError, RuntimeError) as exc:
         print(f"pdserve {role}: error: {exc}", file=sys.stderr)
