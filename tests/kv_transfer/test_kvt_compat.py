@@ -64,3 +64,25 @@ def test_node_refuses_cuda_kv_with_non_cuda_mooncake() -> None:
     err = res.stderr.strip().splitlines()
     assert len(err) == 1, res.stderr  # one clear line, no traceback
     assert "cannot register GPU memory" in err[0] and "pdserve[cuda]" in err[0], err
+
+
+@pytest.mark.parametrize("node_args, want", [
+    ("--device cuda --max-running-requests 8", "tcp"),  # non-CUDA Mooncake: tcp, with why
+    ("--device=cuda:0", "tcp"),
+    ("--device cpu", "mooncake"),
+    ("", "mooncake"),  # auto = cpu on this machine
+])
+def test_pdserve_up_picks_tcp_for_gpu_nodes_without_cuda_mooncake(tmp_path, node_args,
+                                                                   want) -> None:
+    from pdserve.stack.config import StackConfig
+    from pdserve.stack.stack import Stack
+
+    said: list[str] = []
+    stack = Stack(StackConfig(model="tiny-llama", node_args=node_args,
+                              log_dir=str(tmp_path)), said.append)
+    try:
+        assert stack._default_backend() == want
+    finally:
+        stack.http.close()
+    if want == "tcp":
+        assert "cannot register GPU memory" in said[0], said
