@@ -38,13 +38,14 @@ def test_ring_reuse_waits_for_the_queued_copy_not_the_stream() -> None:
 
 def _kv(n: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randint(0, 256, (256, 4, 64), generator=g, device=DEV,
+    return [torch.randint(0, 256, (256, 4, 128), generator=g, device=DEV,
                           dtype=torch.uint8).view(torch.bfloat16) for _ in range(n)]
 
 
 def test_bounce_memory_moves_device_pages_byte_exact() -> None:
-    src = _kv(4, 1)
+    src = _kv(4, 1)  # [256 tokens, 4 heads, 64] bf16: 131072 bytes each
     dst = [torch.zeros_like(t) for t in src]
+    assert src[0].shape == (256, 4, 64)
     meta = torch.arange(64, dtype=torch.uint8).reshape(2, 32)  # host rows, used in place
     a, b = BounceMemory(src + [meta]), BounceMemory(dst)
     span = 8192  # 16 tokens of one layer buffer (4 heads x 64 x bf16)

@@ -20,12 +20,13 @@ pytestmark = pytest.mark.timeout(120)
 
 def _bufs() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 256, (64, 2, 16), generator=g, dtype=torch.uint8).view(
+    return [torch.randint(0, 256, (64, 2, 32), generator=g, dtype=torch.uint8).view(
         torch.bfloat16) for _ in range(3)]
 
 
 def test_gather_scatter_crc_match_host_memory() -> None:
     src, dst = _bufs(), [torch.zeros(64, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
+    assert all(t.numel() * t.element_size() == 4096 for t in src + dst)
     bounce = BounceMemory(src + dst, force=True)
     host = HostMemory()
     regions = [(src[0].data_ptr() + 64, 128), (src[2].data_ptr(), 2048),
