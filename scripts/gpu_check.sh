@@ -12,17 +12,27 @@
 #
 #   scripts/gpu_check.sh OUTDIR                # on the GPU machine, from the repo root
 #   scripts/gpu_check.sh OUTDIR --cpu-dry-run  # the same steps at tiny size on CPU
+# PYTHON names the interpreter (default python3, the one holding torch on that machine).
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
-OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [--cpu-dry-run]}
+USAGE="usage: scripts/gpu_check.sh OUTDIR [--cpu-dry-run] [--budget-s SECONDS (default 470)]"
+OUT=${1:?$USAGE}
+shift
 DRY=0
-[ "${2:-}" = "--cpu-dry-run" ] && DRY=1
+BUDGET_S=470   # 8 minutes less a margin for the summary
+while [ $# -gt 0 ]; do
+    case $1 in
+        --cpu-dry-run) DRY=1 ;;
+        --budget-s) BUDGET_S=${2:?$USAGE}; shift ;;
+        *) echo "$USAGE" >&2; exit 2 ;;
+    esac
+    shift
+done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-BUDGET_S=${BUDGET_S:-470}   # 8 minutes less a margin for the summary
 END=$((SECONDS + BUDGET_S))
 : >"$OUT/steps.tsv"
 

@@ -28,10 +28,10 @@ def test_gitignore_keeps_carried_wheels_out_of_git() -> None:
 @pytest.mark.timeout(900)
 def test_cpu_dry_run_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "BUDGET_S": "800"}
+    env = {**os.environ, "PYTHON": sys.executable}
     res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out),
-                          "--cpu-dry-run"], capture_output=True, text=True, env=env,
-                         timeout=880)
+                          "--cpu-dry-run", "--budget-s", "800"], capture_output=True,
+                         text=True, env=env, timeout=880)
     summary_file = out / "summary.json"
     assert summary_file.exists(), res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads(summary_file.read_text())
