@@ -16,15 +16,17 @@
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
-USAGE="usage: scripts/gpu_check.sh OUTDIR [--cpu-dry-run] [--budget-s SECONDS (default 470)]"
+USAGE="usage: scripts/gpu_check.sh OUTDIR [--cpu-dry-run] [--budget-s SECONDS (default 470)] [--archive FILE.tgz]"
 OUT=${1:?$USAGE}
 shift
 DRY=0
 BUDGET_S=470   # 8 minutes less a margin for the summary
+ARCHIVE=""     # also pack OUTDIR into this .tgz (a device run returns only a few files)
 while [ $# -gt 0 ]; do
     case $1 in
         --cpu-dry-run) DRY=1 ;;
         --budget-s) BUDGET_S=${2:?$USAGE}; shift ;;
+        --archive) ARCHIVE=${2:?$USAGE}; shift ;;
         *) echo "$USAGE" >&2; exit 2 ;;
     esac
     shift
@@ -202,3 +204,8 @@ summary["ok"] = all(s["rc"] == 0 for s in steps.values())
 print(json.dumps(summary, indent=2)[:6000])
 sys.exit(0 if summary["ok"] else 1)
 PYEOF
+rc=$?
+if [ -n "$ARCHIVE" ]; then
+    tar czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "archive: $ARCHIVE"
+fi
+exit $rc

@@ -30,7 +30,8 @@ def test_cpu_dry_run_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable}
     res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out),
-                          "--cpu-dry-run", "--budget-s", "800"], capture_output=True,
+                          "--cpu-dry-run", "--budget-s", "800",
+                          "--archive", str(tmp_path / "out.tgz")], capture_output=True,
                          text=True, env=env, timeout=880)
     summary_file = out / "summary.json"
     assert summary_file.exists(), res.stdout[-3000:] + res.stderr[-3000:]
@@ -49,6 +50,7 @@ def test_cpu_dry_run_runs_every_step(tmp_path: Path) -> None:
     decode = summary["pd_transfer"]["decode-0"]
     assert decode["rooms_succeeded"] >= 4 and decode["bytes_received"] > 0
     assert decode["checksum_failures"] == 0 and decode["rooms_failed"] == 0
+    assert (tmp_path / "out.tgz").stat().st_size > 0
     # tests/gpu were collected and reported skipped with the reason (no CUDA here)
     log = (out / "gpu_tests.log").read_text()
     assert "CUDA is not available here" in log and " skipped" in log
