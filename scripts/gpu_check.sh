@@ -172,7 +172,7 @@ step gpu_tests 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu \
     --junitxml="$OUT/gpu_tests.xml"
 step overlap 150 "$PY" bench/overlap.py --device "$DEV" --dtype "$DTYPE" "${OVERLAP_ARGS[@]}" \
     --out "$OUT/overlap.json"
-step kv_device 60 "$PY" bench/kv_device.py --device "$DEV" "${KV_ARGS[@]}" \
+step kv_device 90 "$PY" bench/kv_device.py --device "$DEV" "${KV_ARGS[@]}" \
     --out "$OUT/kv_device.json"
 step pd_bench 150 pd_bench "${PD_ARGS[@]}"
 
