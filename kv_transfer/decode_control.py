@@ -24,7 +24,7 @@ from kv_transfer.args import KVArgs
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.lease import WriteFence
 from kv_transfer.loop import ControlLoop
-from kv_transfer.memory import crc_regions, page_regions
+from kv_transfer.memory import HostMemory, page_regions
 from kv_transfer.messages import (
     MAX_MESSAGE_BYTES,
     Abort,
@@ -66,8 +66,10 @@ class PrefillPeer:
 
 class DecodeControl(ControlLoop):
     def __init__(self, args: KVArgs, config: KVTransferConfig, register: Register,
-                 stats: TransferStats, fence: WriteFence | None = None) -> None:
+                 stats: TransferStats, fence: WriteFence | None = None,
+                 memory: HostMemory | None = None) -> None:
         super().__init__("kv-decode-control", config.tick_s)
+        self._memory = memory or HostMemory()  # CRC reads staged bytes for device KV
         self._args, self._cfg, self._register, self._stats = args, config, register, stats
         self._identity = register.instance.encode()
         self._rooms: dict[int, ReceiverRoom] = {}
@@ -210,7 +212,7 @@ class DecodeControl(ControlLoop):
         if last:
             regions += [self._args.meta_row(b, r.meta_slot)
                         for b in range(len(self._args.meta_ptrs))]
-        return crc_regions(regions)
+        return self._memory.crc(regions)
 
     def _room_bytes(self, r: ReceiverRoom) -> int:
         kv = len(r.dst_pages) * self._args.page_bytes * len(self._dst_bufs)

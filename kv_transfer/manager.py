@@ -21,6 +21,7 @@ from kv_transfer.backends import TransferBackend, create_backend
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.decode_control import DecodeControl
 from kv_transfer.lease import WriteFence
+from kv_transfer.memory import HostMemory
 from kv_transfer.messages import Register
 from kv_transfer.metrics import TransferStats
 from kv_transfer.prefill_control import PrefillControl
@@ -32,14 +33,18 @@ T = TypeVar("T")
 
 
 class KVManager:
-    def __init__(self, args: KVArgs, role: Role, config: KVTransferConfig | None = None) -> None:
+    def __init__(self, args: KVArgs, role: Role, config: KVTransferConfig | None = None,
+                 memory: HostMemory | None = None) -> None:
+        """`memory`: how registered KV bytes are read and written (HostMemory by default;
+        a BounceMemory for KV on a GPU, docs/architecture.md: KV transfer)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"unknown role {role!r} (prefill|decode)")
         self.args, self.role = args, role
         self.config = config or KVTransferConfig()
         self.instance = uuid.uuid4().hex
         self.stats = TransferStats()
-        self._backend = create_backend(self.config)
+        self.memory = memory or HostMemory()
+        self._backend = create_backend(self.config, self.memory)
         self._closed = False
         try:
             self._backend.register(args.regions())
@@ -58,13 +63,13 @@ class KVManager:
                 submit=lambda job: self._worker_or_fail().submit(job),
                 forget_peer=self._backend.forget_peer)
             self._worker = TransferWorker(self._backend, self.config, self.stats,
-                                          on_result=self._on_job_result)
+                                          on_result=self._on_job_result, memory=self.memory)
             self._prefill.start()
         else:
             fence = WriteFence(lambda: self.stats.inc("fenced_writes"))
             self._backend.set_write_fence(fence)
             self._decode = DecodeControl(self.args, self.config, self._registration(),
-                                         self.stats, fence)
+                                         self.stats, fence, memory=self.memory)
             self._decode.start()
 
     def _worker_or_fail(self) -> TransferWorker:

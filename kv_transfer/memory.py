@@ -47,3 +47,29 @@ def crc_regions(regions: Iterable[tuple[int, int]], crc: int = 0) -> int:
     for ptr, length in regions:
         crc = zlib.crc32(view(ptr, length), crc)
     return crc
+
+
+class HostMemory:
+    """How the transfer layer touches registered memory when it is host memory (the
+    default): zero-copy views. A node whose KV lives on a GPU passes another object with
+    the same methods (`pdserve/disagg/bounce.py: BounceMemory`), which stages pages
+    through a pinned host buffer (docs/architecture.md: KV transfer, Device memory).
+
+    Metadata rows are always host memory and are read/written with `read_bytes` /
+    `write_bytes` directly, whatever this object is.
+    """
+
+    staged = False  # True: gather/scatter copy through a host bounce buffer
+
+    def gather(self, regions: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Byte views of `regions`, valid until the next gather (sender thread only)."""
+        return [view(p, n) for p, n in regions]
+
+    def scatter(self, regions: Sequence[tuple[int, int]], frames: Sequence) -> None:
+        """Write frames[i] (a buffer of regions[i][1] bytes) to regions[i]; on return the
+        bytes are in place (receiving thread only)."""
+        for (ptr, length), frame in zip(regions, frames, strict=True):
+            view(ptr, length)[:] = frame
+
+    def crc(self, regions: Iterable[tuple[int, int]], crc: int = 0) -> int:
+        return crc_regions(regions, crc)

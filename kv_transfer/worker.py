@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from kv_transfer.backends.base import TransferBackend
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.lease import LeaseCell
-from kv_transfer.memory import crc_regions
+from kv_transfer.memory import HostMemory
 from kv_transfer.metrics import TransferStats
 from kv_transfer.poll import KVPoll, RoomStatus
 from kv_transfer.runs import Entries
@@ -61,8 +61,10 @@ class JobResult:
 
 class TransferWorker:
     def __init__(self, backend: TransferBackend, config: KVTransferConfig,
-                 stats: TransferStats, on_result: Callable[[JobResult], None]) -> None:
+                 stats: TransferStats, on_result: Callable[[JobResult], None],
+                 memory: HostMemory | None = None) -> None:
         self._backend = backend
+        self._memory = memory or HostMemory()  # the CRC reads staged bytes for device KV
         self._config = config
         self._stats = stats
         self._on_result = on_result
@@ -121,7 +123,7 @@ class TransferWorker:
             reason = self._write(job.session, batch, job.room)
             if reason is not None:
                 return JobResult(job, ok=False, skipped=False, reason=reason, checksum=0)
-        crc = crc_regions(job.crc_regions) if job.crc_regions is not None else 0
+        crc = self._memory.crc(job.crc_regions) if job.crc_regions is not None else 0
         return JobResult(job, ok=True, skipped=False, reason=None, checksum=crc)
 
     def _await_lease(self, job: TransferJob) -> bool:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from kv_transfer.backends.base import BackendUnavailable, TransferBackend
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.memory import HostMemory
 
 
-def create_backend(config: KVTransferConfig) -> TransferBackend:
+def create_backend(config: KVTransferConfig, memory: HostMemory | None = None) -> TransferBackend:
     """Create the configured backend inside the calling process (never before a fork)."""
     if config.backend == "mooncake":
         from kv_transfer.backends.mooncake import MooncakeBackend
 
-        return MooncakeBackend(config)
+        return MooncakeBackend(config)  # registers device pointers as they are
     from kv_transfer.backends.tcp import TcpBackend
 
-    return TcpBackend(config)
+    return TcpBackend(config, memory)
 
 
 def mooncake_import_error() -> str | None:

