@@ -190,13 +190,14 @@ def test_kill9_decode_mid_transfer(stack, backend):
     prefill node's KV pages, request slots, metadata rows and transfer rooms all come
     back."""
     prefill, decode = stack.node("prefill", backend), stack.node("decode", backend)
-    prompts = [random_prompt(1800, seed=5200 + i) for i in range(8)]
+    prompts = [random_prompt(1800, seed=5200 + i) for i in range(12)]
     reqs = [PDRequest(prefill, decode, p, GREEDY).start() for p in prompts]
     # Wait until the prefill has requests whose chunks are being sent (inflight queue).
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while prefill.stats().get("role", {}).get("inflight_queue", 0) < 1:
-        assert time.monotonic() < deadline, prefill.info()
-        time.sleep(0.05)
+        assert time.monotonic() < deadline, (prefill.info(), [
+            (r.results.get("prefill"), r.results.get("decode")) for r in reqs])
+        time.sleep(0.02)
     decode.kill9()
     t_kill = time.monotonic()
     for r in reqs:
