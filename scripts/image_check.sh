@@ -59,9 +59,9 @@ fi
 
 phase debootstrap
 # The machine's Debian mirror: first URIs:/deb line of the apt sources that is not security.
-MIRROR=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null \
+MIRROR=$({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } \
     | sed -n -E 's/^URIs:[[:space:]]*([^[:space:]]+).*/\1/p; s/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+).*/\2/p' \
-    | grep -v security | head -1)
+    | grep -v security | head -1 || true)
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 ROOTFS=$WORK/rootfs
 if [ ! -x "$ROOTFS/bin/bash" ]; then
@@ -100,7 +100,7 @@ docker image ls "$IMAGE" --format '   image {{.Repository}}:{{.Tag}} {{.Size}}'
 phase run
 docker run --rm "$IMAGE" bash -c '
 set -e
-pdserve up --prefill 1 --decode 1 --transfer-backend mooncake --port 8000 \
+pdserve up --model smollm2-135m --prefill 1 --decode 1 --transfer-backend mooncake --port 8000 \
     --registry-port 8998 --log-dir /tmp/logs > /tmp/up.log 2>&1 &
 UP=$!
 for _ in $(seq 600); do grep -q "ready in" /tmp/up.log && break
