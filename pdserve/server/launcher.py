@@ -128,7 +128,8 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
             await asyncio.to_thread(registry.deregister)
         left = await wait_drained(lambda: len(client.handles), cfg.pd.drain_grace_s,
                                   cfg.pd.drain_timeout_s)
-        log.info("drained in %.1fs; %d requests left (aborted)", time.monotonic() - t0, left)
+        log.info("drained in %.1fs%s", time.monotonic() - t0,
+                 f"; {left} requests still open are aborted" if left else "")
 
     app = build_app(front, lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)

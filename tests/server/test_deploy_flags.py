@@ -102,3 +102,18 @@ def test_wait_drained_waits_for_grace_then_open_requests():
         return await wait_drained(lambda: open_requests[0], 0.0, 0.2, poll_s=0.01)
 
     assert asyncio.run(stuck()) == 5  # gives up after the timeout, reports what is left
+
+
+def test_stack_registry_token_file(tmp_path: Path):
+    from pdserve.cli import build_parser
+    from pdserve.stack.config import stack_from_cli
+
+    f = tmp_path / "token"
+    f.write_text("stack-token\n")
+    args = build_parser().parse_args(["up", "--model", "tiny-llama",
+                                      "--registry-token-file", str(f)])
+    assert stack_from_cli(args).registry_token == "stack-token"
+    args = build_parser().parse_args(["up", "--model", "tiny-llama",
+                                      "--registry-token-file", str(tmp_path / "nope")])
+    with pytest.raises(ValueError, match="--registry-token-file"):
+        stack_from_cli(args)
