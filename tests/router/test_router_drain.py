@@ -75,3 +75,35 @@ def test_sigterm_decode_node_mid_stream_drains(stack, router: str, launch_nodes)
     assert "drained in" in node.log(), node.log()[-3000:]
     wait_until(lambda: NODE not in router_nodes(router), 10, "router to drop the node")
     wait_pools_full(stack.urls["prefill-0"])
+
+
+def test_sigterm_prefill_node_under_load_loses_no_request(stack, router: str, launch_nodes):
+    """Requests keep arriving while a prefill node drains: each one succeeds (a leg the
+    draining node refuses is retried on the other prefill node), and once it reports not
+    ready no request is prefilled there."""
+    name = "prefill-drain"
+    node = launch_nodes(("prefill", name, "--drain-timeout-s", "120",
+                         "--drain-grace-s", "1"))[name]
+    wait_until(lambda: name in router_nodes(router), 10, "router to see the node")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=180) as client:
+            before, after = [], []
+            for i in range(24):
+                if i == 8:
+                    node.proc.send_signal(signal.SIGTERM)
+                    while await asyncio.to_thread(_status, f"{node.url}/readyz") == 200:
+                        await asyncio.sleep(0.05)
+                (before if i < 8 else after).append(asyncio.create_task(
+                    _stream(client, router, _body([60 + i] * 40, 16), [])))
+                await asyncio.sleep(0.1)
+            return await asyncio.gather(*before), await asyncio.gather(*after)
+
+    before, after = asyncio.run(run())
+    for r in before + after:
+        assert r["status"] == 200 and r["error"] is None and r["ids"] == 16, r
+    assert any(r["prefill"] == name for r in before), before  # it did take work before
+    assert all(r["prefill"] != name for r in after), after
+    assert node.proc.wait(120) == 0, node.log()[-3000:]
+    for url in (stack.urls["decode-0"], stack.urls["decode-1"]):
+        wait_pools_full(url)
