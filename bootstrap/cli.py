@@ -50,10 +50,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     p.add_argument("--host", default=d.host, help="address to bind")
     p.add_argument("--port", type=int, default=d.port, help="port to bind (0: any free port)")
-    p.add_argument(
+    store = p.add_mutually_exclusive_group()
+    store.add_argument(
         "--store",
         default=d.store,
         help="'memory' (embedded, one process) or redis://HOST:PORT/DB (shared by replicas)",
+    )
+    store.add_argument(
+        "--store-file", type=Path, default=None,
+        help="read --store from this file (a Redis URL with a password stays out of argv)",
     )
     p.add_argument("--key-prefix", default=d.key_prefix, help="prefix of every Redis key")
     tok = p.add_mutually_exclusive_group()
@@ -98,10 +103,16 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
             token = args.token_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(f"--token-file: {exc}") from None
+    store = args.store
+    if args.store_file is not None:
+        try:
+            store = args.store_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"--store-file: {exc}") from None
     return RegistryConfig(
         host=args.host,
         port=args.port,
-        store=args.store,
+        store=store,
         key_prefix=args.key_prefix,
         token=token,
         token_reads=args.token_reads,

@@ -4,13 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Mooncake's transfer engine links against libibverbs even when it uses TCP.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
-    if command -v apt-get >/dev/null 2>&1; then
-        (apt-get install -y libibverbs1 >/dev/null 2>&1 ||
-         (apt-get update >/dev/null 2>&1 && apt-get install -y libibverbs1 >/dev/null 2>&1)) ||
-        echo "setup: could not install libibverbs1; the mooncake backend will be unavailable" >&2
-    fi
+# Shared libraries Mooncake's transfer engine links against (also over TCP); the Dockerfile
+# installs the same packages (tests/helm/test_image.py keeps that list in step).
+missing=()
+for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+    ldconfig -p 2>/dev/null | grep -q "${pair%%:*}" || missing+=("${pair##*:}")
+done
+if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y "${missing[@]}" >/dev/null 2>&1 ||
+     (apt-get update >/dev/null 2>&1 && apt-get install -y "${missing[@]}" >/dev/null 2>&1)) ||
+    echo "setup: could not install ${missing[*]}; the mooncake backend will be unavailable" >&2
 fi
 
 PY=${PYTHON:-python3}

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kv_transfer import KVTransferConfig
+from pdserve.tokens import read_token_file
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,12 @@ class PDConfig:
     disable_early_send: bool = False  # prefill: do not send cached prefix pages early
     # prefill: serve SGLang's bootstrap endpoint on this port (None: off; 0: a free port)
     bootstrap_port: int | None = None
+    advertise_host: str = ""  # host in the registered http_url ("" = --host)
+    # SIGTERM: deregister, answer new requests 503 "draining" for at least drain_grace_s
+    # (routers that have not re-read the registry learn it that way), and let open
+    # requests finish for up to drain_timeout_s (docs/architecture.md: Node server).
+    drain_timeout_s: float = 30.0
+    drain_grace_s: float = 1.0
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @staticmethod
@@ -30,6 +38,18 @@ class PDConfig:
         g.add_argument("--registry", dest="registry_url", required=True,
                        help="bootstrap registry URL, e.g. http://127.0.0.1:8998")
         g.add_argument("--registry-token", default="", help="bearer token for registry writes")
+        g.add_argument("--registry-token-file", type=Path, default=None,
+                       help="read --registry-token from this file (a mounted Secret: the "
+                            "token stays out of the process list)")
+        g.add_argument("--advertise-host", default="",
+                       help="host (name or IP) other processes reach this node at, put in its "
+                            "registry record (default: --host; needed when --host is 0.0.0.0)")
+        g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                       help="on SIGTERM: deregister first, then let open requests finish for "
+                            "up to this long before exiting")
+        g.add_argument("--drain-grace-s", type=float, default=1.0,
+                       help="on SIGTERM: answer new requests 503 'draining' for at least this "
+                            "long after deregistering, before the port closes")
         g.add_argument("--node-id", default="", help="stable node id (default role-host-port)")
         g.add_argument("--registry-ttl-s", type=float, default=10.0,
                        help="TTL of this node's registry record (renewed every TTL/3)")
@@ -72,6 +92,12 @@ class PDConfig:
         port = getattr(args, "bootstrap_port", None)
         if port is not None and not 0 <= port < 65536:
             raise ValueError(f"--disaggregation-bootstrap-port must be in 0..65535, got {port}")
+        if args.drain_timeout_s < 0 or args.drain_grace_s < 0:
+            raise ValueError("--drain-timeout-s and --drain-grace-s must be >= 0")
+        if not args.advertise_host and args.host in WILDCARDS:
+            raise ValueError(f"--host {args.host} is no address others can reach: "
+                             "add --advertise-host (e.g. the pod IP)")
+        token = read_token_file(args.registry_token_file, "--registry-token-file")
         transfer = KVTransferConfig(
             backend=args.transfer_backend, host=args.kv_host,
             mooncake_protocol=args.mooncake_protocol, device_name=args.mooncake_device,
@@ -80,8 +106,13 @@ class PDConfig:
             heartbeat_interval_s=args.kv_heartbeat_interval_s,
             heartbeat_misses=args.kv_heartbeat_misses, checksum=args.kv_checksum,
             lease_s=args.kv_lease_s, lease_margin_s=args.kv_lease_margin_s)
-        return cls(registry_url=args.registry_url, registry_token=args.registry_token,
+        return cls(registry_url=args.registry_url,
+                   registry_token=token if token is not None else args.registry_token,
                    node_id=args.node_id, registry_ttl_s=args.registry_ttl_s,
                    registry_wait_s=args.registry_wait_s,
                    disable_early_send=args.disable_early_send, bootstrap_port=port,
-                   transfer=transfer)
+                   advertise_host=args.advertise_host, drain_timeout_s=args.drain_timeout_s,
+                   drain_grace_s=args.drain_grace_s, transfer=transfer)
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")

@@ -9,15 +9,18 @@ import time
 from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryError
 from bootstrap.record import RegisteredNode, new_instance_id
+from pdserve.netaddr import http_url
 from pdserve.server.protocol import ApiError
 
 
 def node_record(cfg, ready) -> dict:
     kv = dict(ready.kv_info)
+    host = cfg.pd.advertise_host or cfg.host
+    default_id = f"{cfg.role}-{host.strip('[]')}-{cfg.port}"
     return {
-        "node_id": cfg.pd.node_id or f"{cfg.role}-{cfg.host}-{cfg.port}",
+        "node_id": cfg.pd.node_id or default_id,
         "instance_id": new_instance_id(), "role": cfg.role,
-        "http_url": f"http://{cfg.host}:{cfg.port}",
+        "http_url": http_url(host, cfg.port),
         "kv_endpoint": kv.get("kv_endpoint") or "-",
         "transfer_session": kv.get("transfer_session", ""),
         "transfer_backend": kv["transfer_backend"], "model": kv["model"],

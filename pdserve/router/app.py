@@ -84,7 +84,14 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     async def _gone(_: Request, __: ClientGone):
         return error_response(499, "client disconnected")
 
+    # /livez: the process serves HTTP (a probe must not restart the router, dropping every
+    # open stream, because a node tier is down). /readyz and /health: a usable pair exists.
+    @app.get("/livez")
+    async def livez():
+        return {"status": "ok"}
+
     @app.get("/health")
+    @app.get("/readyz")
     async def health():
         ok, info = gw.health()
         if ok:

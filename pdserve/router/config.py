@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from urllib.parse import urlsplit
 
 from pdserve.http_guard import HttpLimits
+from pdserve.tokens import read_token_file
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -23,6 +24,8 @@ def _opt(default, help: str, **extra):
 class RouterConfig:
     registry: str = _opt("http://127.0.0.1:8998", "URL of the bootstrap registry")
     registry_token: str = _opt("", "bearer token for the registry (when it guards reads)")
+    registry_token_file: str = _opt("", "read --registry-token from this file (a mounted "
+                                        "Secret: the token stays out of the process list)")
     host: str = _opt("127.0.0.1", "address to bind")
     port: int = _opt(8000, "HTTP port")
     model: str = _opt("", "model served (built-in name or local HF folder); empty: the model "
@@ -112,4 +115,8 @@ class RouterConfig:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> RouterConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        token = read_token_file(values["registry_token_file"], "--registry-token-file")
+        if token is not None:
+            values["registry_token"] = token
+        return cls(**values)

@@ -36,6 +36,8 @@ CLIENT_STATUSES = {400, 408, 413, 422}
 REFUSED_STATUSES = {429, 503}
 # Decode-node error codes that name the prefill node as the cause (pdserve.server.frontend).
 PREFILL_FAULT_CODES = {"prefill_node_unavailable", "prefill_failed"}
+# A node that got SIGTERM refuses new requests with this code (pdserve/server/drain.py).
+DRAINING = "draining"
 
 log = logging.getLogger("pdserve.router")
 LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
@@ -85,6 +87,9 @@ def status_error(node: NodeState, leg: str, resp: httpx.Response,
     if status in CLIENT_STATUSES:
         return LegError(node, leg, status, message, code)
     where = f"{leg} node {node.node_id}"
+    if code == DRAINING:  # shutting down on purpose: not a fault; pick it no more
+        node.draining = True
+        return LegError(node, leg, 503, f"{where} is draining", code, retryable=True)
     if status in REFUSED_STATUSES:
         return LegError(node, leg, 503 if status == 503 else 429,
                         f"{where} refused the request ({status}: {message})", code,

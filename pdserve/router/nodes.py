@@ -26,6 +26,7 @@ class NodeState:
     record: RegisteredNode
     breaker: CircuitBreaker
     inflight: int = 0  # this router's open legs on the node
+    draining: bool = False  # it answered 503 "draining": never picked again (this instance)
     last_error: str = ""
     counts: dict[str, int] = field(default_factory=dict)  # outcome -> legs
     # Kept although the registry no longer lists it, until then (time.monotonic()): the
@@ -65,7 +66,8 @@ class NodeState:
         return {"node_id": r.node_id, "role": r.role, "http_url": r.http_url,
                 "instance_id": r.instance_id, "model": r.model, "page_size": r.page_size,
                 "load": r.load.model_dump(), "inflight": self.inflight,
-                "breaker": self.breaker.state, "last_error": self.last_error,
+                "breaker": self.breaker.state, "draining": self.draining,
+                "last_error": self.last_error,
                 "legs": dict(self.counts)}
 
 
@@ -135,7 +137,7 @@ class NodeTable:
         return [n for n in self.nodes.values() if n.role == role]
 
     def usable(self, role: str) -> list[NodeState]:
-        return [n for n in self.of_role(role) if n.breaker.available()]
+        return [n for n in self.of_role(role) if not n.draining and n.breaker.available()]
 
     def counts(self) -> dict[str, int]:
         return {role: len(self.of_role(role)) for role in ("prefill", "decode")}

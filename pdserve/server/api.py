@@ -82,10 +82,21 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
     install_error_handlers(app)
     model = front.cfg.model_name
 
+    # /livez: restart me only when the scheduler process is gone. /readyz: send me work
+    # (not while draining). /health: as /livez, kept for older probes and scripts.
     @app.get("/health")
-    async def health():
+    @app.get("/livez")
+    async def livez():
         if not front.client.alive:
             return error_response(503, "the scheduler process is not running")
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if not front.client.alive:
+            return error_response(503, "the scheduler process is not running")
+        if front.draining:
+            return error_response(503, "this node is draining (shutting down)", "draining")
         return {"status": "ok"}
 
     @app.get("/server_info")

@@ -39,6 +39,7 @@ class Frontend:
         self.client_rids: set[str] = set()  # client-given rids of open requests
         self.leg_resolver = None  # decode nodes: resolves prefill_node_id (registration.py)
         self.bootstrap_port: int | None = None  # prefill nodes: SGLang bootstrap endpoint
+        self.draining = False  # set on SIGTERM (drain.py): new requests get 503 "draining"
 
     async def resolve_extra(self, extra: dict) -> dict:
         """Role fields of a PD leg, completed (decode: the prefill's KV endpoint). Other
@@ -82,6 +83,8 @@ class Frontend:
         `disconnected` (an async callable) is polled for non-streaming requests."""
         # The scheduler only ever sees an internal id: a client's rid is a label, and two
         # requests must never share one routing key (late updates of an old one would leak).
+        if self.draining:  # routers retry "draining" elsewhere and stop picking us
+            raise ApiError(503, "this node is draining (shutting down)", "draining")
         if rid is not None and rid in self.client_rids:
             raise ApiError(400, f"duplicate request id {rid!r}: a request with it is running")
         internal = uuid.uuid4().hex

@@ -1,8 +1,10 @@
 """`pdserve serve`: start the scheduler process, then serve HTTP until SIGTERM/Ctrl-C.
 
-Shutdown order: uvicorn stops accepting and lets open requests finish (bounded by
-`GRACEFUL_S`), the lifespan exit tells the scheduler to abort what is left and stop, and
-the scheduler process is joined (terminated, then killed, if it does not exit in time).
+Shutdown order: a PD node first drains (drain.py: deregister, 503 "draining" for new
+requests, open requests finish for up to --drain-timeout-s); then uvicorn stops accepting
+and lets open requests finish (bounded by `GRACEFUL_S`), the lifespan exit tells the
+scheduler to abort what is left and stop, and the scheduler process is joined
+(terminated, then killed, if it does not exit in time).
 No process outlives the server.
 """
 
@@ -15,6 +17,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import time
 
 import uvicorn
 import zmq.asyncio
@@ -24,6 +27,7 @@ from pdserve.ports import check_port_free
 from pdserve.server.api import build_app
 from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.config import ServerConfig
+from pdserve.server.drain import NodeServer, wait_drained
 from pdserve.server.engine_client import EngineClient
 from pdserve.server.frontend import Frontend
 from pdserve.server.metrics import Metrics
@@ -73,18 +77,6 @@ def serve(cfg: ServerConfig) -> int:
             return asyncio.run(_serve_async(cfg, proc, to_sched, from_sched, tokenizer))
         finally:
             stop_process(proc)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises a captured SIGTERM/SIGINT after a graceful shutdown, which would
-    kill us before the scheduler process is joined and the IPC folder removed. We already
-    shut down gracefully, so the signal has done its job: do not re-raise it."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
 
 
 def _register(cfg, client, front, extra: dict):
@@ -152,12 +144,26 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
             await asyncio.to_thread(registry.close)
         await client.close()  # tells the scheduler to abort what is left and exit
 
+    async def drain():
+        """SIGTERM on a PD node: leave the registry first, then let open requests finish."""
+        t0 = time.monotonic()
+        front.draining = True
+        log.info("SIGTERM: draining; %d open requests", len(client.handles))
+        if registry is not None:
+            await asyncio.to_thread(registry.deregister)
+        left = await wait_drained(lambda: len(client.handles), cfg.pd.drain_grace_s,
+                                  cfg.pd.drain_timeout_s)
+        log.info("drained in %.1fs%s", time.monotonic() - t0,
+                 f"; {left} requests still open are aborted" if left else "")
+
     app = build_app(front, lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
-    server = _Server(uvicorn.Config(
+    # After a drain the open requests are done (or given up): uvicorn need not wait long.
+    server = NodeServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug",
-        http=guarded_protocol(cfg.http_limits)))
+        timeout_graceful_shutdown=2 if cfg.pd is not None else GRACEFUL_S,
+        access_log=cfg.log_level == "debug", http=guarded_protocol(cfg.http_limits)),
+        drain if cfg.pd is not None else None)
     log.info("serving %s (%s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
     await server.serve()
     ctx.term()

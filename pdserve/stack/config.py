@@ -7,6 +7,8 @@ import argparse
 import shlex
 from dataclasses import dataclass, field, fields, replace
 
+from pdserve.tokens import read_token_file
+
 TRANSFER_BACKENDS = ("", "mooncake", "tcp")
 
 
@@ -30,6 +32,8 @@ class StackConfig:
     node_args: str = _opt("", "extra flags for every node, e.g. '--max-running-requests 32'")
     router_args: str = _opt("", "extra flags for the router, e.g. '--queue-timeout-s 5'")
     registry_token: str = _opt("", "bearer token the registry requires for writes")
+    registry_token_file: str = _opt("", "read --registry-token from this file (children "
+                                        "get it as a file too, never in argv)")
     log_dir: str = _opt("", "folder for the children's logs (default: a new temp folder)")
     startup_timeout_s: float = _opt(900.0, "longest wait for every process to be healthy "
                                            "(the first start converts smollm2-135m)")
@@ -94,6 +98,9 @@ def add_flags(p: argparse.ArgumentParser, cls: type, title: str,
 
 def stack_from_cli(args: argparse.Namespace, **overrides) -> StackConfig:
     values = {f.name: getattr(args, f.name) for f in fields(StackConfig)}
+    token = read_token_file(values["registry_token_file"], "--registry-token-file")
+    if token is not None:
+        values["registry_token"] = token
     return replace(StackConfig(**values), **overrides) if overrides else StackConfig(**values)
 
 

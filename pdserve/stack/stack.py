@@ -83,7 +83,7 @@ class Stack:
         port = self.cfg.registry_port
         cmd = [sys.executable, "-m", "bootstrap.cli", "--host", LOOPBACK, "--port", str(port)]
         if self.cfg.registry_token:
-            cmd += ["--token", self.cfg.registry_token]
+            cmd += ["--token-file", self._token_file()]
         child = Child("registry", cmd, self.log_dir / "registry.log", "")
         self.members.append(Member("registry", child))
         child.start()
@@ -108,10 +108,18 @@ class Stack:
         cmd = [sys.executable, "-m", "pdserve.cli", role, *common,
                "--registry", self.registry_url, "--node-id", name]
         if cfg.registry_token:
-            cmd += ["--registry-token", cfg.registry_token]
+            cmd += ["--registry-token-file", self._token_file()]
         cmd += ["--transfer-backend", self.backend]
         cmd += shlex.split(cfg.node_args)
         return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
+
+    def _token_file(self) -> str:
+        """The registry token as a file only we can read: never in a child's argv."""
+        path = self.log_dir / "registry.token"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(self.cfg.registry_token, encoding="utf-8")
+        return str(path)
 
     def _default_backend(self) -> str:
         """Mooncake (the default backend) where it loads; else say why and use tcp."""
@@ -154,7 +162,7 @@ class Stack:
         cmd = [sys.executable, "-m", "pdserve.cli", "router", "--registry", self.registry_url,
                "--host", cfg.host, "--port", str(port), "--model", cfg.model]
         if cfg.registry_token:
-            cmd += ["--registry-token", cfg.registry_token]
+            cmd += ["--registry-token-file", self._token_file()]
         cmd += shlex.split(cfg.router_args)
         return Member("router", Child("router", cmd, self.log_dir / "router.log",
                                       self.router_url))

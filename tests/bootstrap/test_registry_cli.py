@@ -29,6 +29,7 @@ def test_help_lists_every_knob(capsys) -> None:
         "--host",
         "--port",
         "--store",
+        "--store-file",
         "--key-prefix",
         "--token",
         "--token-file",
@@ -73,6 +74,17 @@ def test_flags_map_onto_the_config(tmp_path) -> None:
     )
 
 
+def test_store_url_from_a_file(tmp_path) -> None:
+    """The chart mounts the Redis URL (password inside) as a file: never in argv."""
+    url_file = tmp_path / "url"
+    url_file.write_text("redis://:pw@h:1/2\n")
+    args = _parser().parse_args(["registry", "--store-file", str(url_file)])
+    assert cli.config_from_args(args).store == "redis://:pw@h:1/2"
+    with pytest.raises(SystemExit):  # one or the other
+        _parser().parse_args(["registry", "--store", "redis://h:1/0", "--store-file",
+                              str(url_file)])
+
+
 @pytest.mark.parametrize(
     "argv,fragment",
     [
@@ -83,6 +95,7 @@ def test_flags_map_onto_the_config(tmp_path) -> None:
         (["--max-body-bytes", "1"], "--max-body-bytes"),
         (["--port", "99999"], "--port"),
         (["--token-file", "/nonexistent/token"], "--token-file"),
+        (["--store-file", "/nonexistent/url"], "--store-file"),
     ],
 )
 def test_bad_config_is_refused_with_a_message(argv, fragment, capsys) -> None:

@@ -123,3 +123,17 @@ def test_memory_store_epoch_is_per_process(start_registry) -> None:
     ea = httpx.get(f"{a.url}/v1/nodes").headers["x-registry-epoch"]
     assert ea == httpx.get(f"{a.url}/v1/nodes").headers["x-registry-epoch"]
     assert ea != httpx.get(f"{b.url}/v1/nodes").headers["x-registry-epoch"]
+
+
+def test_livez_stays_ok_when_redis_is_down(start_registry, redis_prefix: RedisPrefix) -> None:
+    """Liveness must not depend on Redis (an outage would restart every replica); readiness
+    does: /livez 200, /readyz (and /health) 503 until Redis is back."""
+    with RedisProxy(redis_prefix.url) as proxy:
+        registry = start_registry("--store", proxy.url, "--key-prefix", redis_prefix.prefix)
+        assert httpx.get(f"{registry.url}/readyz").status_code == 200
+        proxy.stop()
+        assert httpx.get(f"{registry.url}/livez").status_code == 200
+        assert httpx.get(f"{registry.url}/readyz").status_code == 503
+        proxy.start()
+        wait_for(lambda: httpx.get(f"{registry.url}/readyz").status_code == 200, 10,
+                 "readiness back with Redis")

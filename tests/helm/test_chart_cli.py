@@ -80,7 +80,7 @@ def test_parsed_node_config_carries_chart_values(render, values):
         ns = parse(substitute(argv, env_names(container)))
         assert ns.host == DUMMY["POD_IP"] and ns.kv_host == DUMMY["POD_IP"]
         assert ns.node_id == DUMMY["POD_NAME"]
-        assert ns.registry_token == DUMMY["PDSERVE_REGISTRY_TOKEN"]
+        assert ns.registry_token == "" and ns.registry_token_file is not None
         assert ns.page_size == v["engine"]["pageSize"]
         assert ns.transfer_backend == v["transfer"]["backend"]
         assert ns.max_running_requests == v[argv[0]]["maxRunningRequests"]

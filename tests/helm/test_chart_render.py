@@ -40,6 +40,9 @@ def test_ci_value_sets_are_the_four_of_the_issue():
 def test_each_tier_replicas_follow_values(render, values):
     docs, v = render(values), values_of(values)
     for name in TIERS:
+        if v.get("autoscaling", {}).get(name, {}).get("enabled"):
+            assert "replicas" not in tier(docs, name)["spec"], name  # the autoscaler's
+            continue
         assert tier(docs, name)["spec"]["replicas"] == v[name]["replicas"], name
     assert (find(docs, "StatefulSet", f"{FULLNAME}-redis") is not None) == v["redis"]["enabled"]
 
@@ -82,15 +85,21 @@ def test_registry_url_and_token_reach_every_node_and_the_router(render, values):
         assert key in get(docs, "Secret", secret_name)["data"]
     assert ("--token-reads" in reg_argv) == v["registry"]["auth"]["tokenReads"]
 
-    # Every node and the router get the registry Service URL and the same Secret's token.
+    # Every node and the router get the registry Service URL and the same Secret's token,
+    # as a mounted file (never argv or env).
     for name in ("prefill", "decode", "router"):
-        container = main_container(tier(docs, name))
+        workload = tier(docs, name)
+        container = main_container(workload)
         argv = pdserve_argv(container)
         assert argv[0] == name
         assert flag(argv, "--registry") == REGISTRY_URL, name
-        assert flag(argv, "--registry-token") == "$(PDSERVE_REGISTRY_TOKEN)", name
-        ref = env_entry(container, "PDSERVE_REGISTRY_TOKEN")["valueFrom"]["secretKeyRef"]
-        assert (ref["name"], ref["key"]) == (secret_name, key), name
+        assert "--registry-token" not in argv, name
+        path = flag(argv, "--registry-token-file")
+        mount = next(m for m in container["volumeMounts"]
+                     if path.startswith(m["mountPath"] + "/"))
+        vol = next(x for x in pod_spec(workload)["volumes"] if x["name"] == mount["name"])
+        assert (vol["secret"]["secretName"], path.rsplit("/", 1)[1]) == (secret_name, key)
+        assert "PDSERVE_REGISTRY_TOKEN" not in {e["name"] for e in container["env"]}, name
 
 
 def test_fixed_token_lands_in_the_secret(render):
@@ -109,10 +118,24 @@ def test_auth_off_drops_token_everywhere(render):
         assert "PDSERVE_REGISTRY_TOKEN" not in {e["name"] for e in container.get("env", [])}
 
 
+def _store_url(docs) -> str:
+    """The registry's --store-file, followed to the Secret mounted there."""
+    registry = tier(docs, "registry")
+    container = main_container(registry)
+    path = flag(pdserve_argv(container), "--store-file")
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    vol = next(x for x in pod_spec(registry)["volumes"] if x["name"] == mount["name"])
+    secret = get(docs, "Secret", vol["secret"]["secretName"])
+    return base64.b64decode(secret["data"][path.rsplit("/", 1)[1]]).decode()
+
+
 def test_registry_store_is_the_bundled_redis_by_default(render):
     docs = render("default")
     argv = pdserve_argv(main_container(tier(docs, "registry")))
-    assert flag(argv, "--store") == f"redis://{FULLNAME}-redis:6379/0"
+    assert "--store" not in argv  # the URL holds the Redis password: a file, not argv
+    password = base64.b64decode(get(docs, "Secret", f"{FULLNAME}-redis")["data"][
+        "password"]).decode()
+    assert _store_url(docs) == f"redis://:{password}@{FULLNAME}-redis:6379/0"
     get(docs, "StatefulSet", f"{FULLNAME}-redis")
     assert get(docs, "Service", f"{FULLNAME}-redis")["spec"]["ports"][0]["port"] == 6379
 
@@ -120,12 +143,8 @@ def test_registry_store_is_the_bundled_redis_by_default(render):
 def test_registry_store_external_redis_comes_from_a_secret(render):
     docs = render("external-redis")
     assert find(docs, "StatefulSet", f"{FULLNAME}-redis") is None
-    container = main_container(tier(docs, "registry"))
-    assert flag(pdserve_argv(container), "--store") == "$(PDSERVE_REGISTRY_STORE)"
-    ref = env_entry(container, "PDSERVE_REGISTRY_STORE")["valueFrom"]["secretKeyRef"]
-    secret = get(docs, "Secret", ref["name"])
-    url = base64.b64decode(secret["data"][ref["key"]]).decode()
-    assert url == values_of("external-redis")["externalRedis"]["url"]
+    assert "--store" not in pdserve_argv(main_container(tier(docs, "registry")))
+    assert _store_url(docs) == values_of("external-redis")["externalRedis"]["url"]
 
 
 def test_registry_without_redis_keeps_memory_and_one_replica(render, helm):
@@ -184,17 +203,18 @@ def test_nodes_bind_and_advertise_the_pod_ip(render, values):
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)
-def test_probes_point_at_health(render, values):
+def test_probes_split_liveness_and_readiness(render, values):
+    """Liveness asks /livez (restart only a broken process), readiness /readyz."""
     docs = render(values)
     for name in TIERS:
         container = main_container(tier(docs, name))
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        for probe in ("livenessProbe", "readinessProbe"):
+        for probe, path in (("livenessProbe", "/livez"), ("readinessProbe", "/readyz")):
             get_ = container[probe]["httpGet"]
-            assert get_["path"] == "/health", (name, probe)
+            assert get_["path"] == path, (name, probe)
             assert get_["port"] in ports, (name, probe)
         if "startupProbe" in container:
-            assert container["startupProbe"]["httpGet"]["path"] == "/health"
+            assert container["startupProbe"]["httpGet"]["path"] == "/livez"
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)

@@ -24,7 +24,15 @@ PREREQUISITES = {
     "externalRedis.": {"redis.enabled": "false"},
     "model.mountPath": {"model.volume": '{"emptyDir": {}}'},
     "model.readOnly": {"model.volume": '{"emptyDir": {}}'},
+    "redis.pdb.": {"redis.pdb.enabled": "true"},
+    "router.ingress.sse.": {"router.ingress.enabled": "true"},
+    "autoscaling.prefill.": {"autoscaling.prefill.enabled": "true"},
+    "autoscaling.decode.": {"autoscaling.decode.enabled": "true"},
+    "autoscaling.keda.": {"autoscaling.decode.enabled": "true",
+                          "autoscaling.decode.kind": '"keda"'},
 }
+# Values with a closed set of choices: the other choice (any other string fails the render).
+CHOICES = {"autoscaling.prefill.kind": "keda", "autoscaling.decode.kind": "keda"}
 # A fixed token, so that renders compare equal (the default one is random).
 BASE = {"registry.auth.token": '"fixed"'}
 
@@ -93,7 +101,8 @@ def test_every_value_is_used(helm):
 
         def check(case: tuple[str, object, dict]) -> str | None:
             key, value, base = case
-            after = helm_tool.render(helm, None, {**base, key: json.dumps(mutated(value))})
+            changed = CHOICES[key] if key in CHOICES else mutated(value)
+            after = helm_tool.render(helm, None, {**base, key: json.dumps(changed)})
             return None if before[tuple(sorted(base.items()))] != after else key
 
         unused = [k for k in pool.map(check, cases) if k]

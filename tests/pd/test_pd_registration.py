@@ -65,3 +65,30 @@ def test_unreachable_registry_exits_after_the_wait(tmp_path_factory):
     lines = error_lines(log)
     assert len(lines) == 1 and "within 3s" in lines[0] and nowhere in lines[0], log
     assert "Traceback" not in log, log
+
+
+def test_tokens_from_files_register_and_the_token_stays_out_of_argv(tmp_path_factory):
+    """Registry --token-file and node --registry-token-file (mounted Secrets in the chart):
+    the node registers, and neither process has the token on its command line."""
+    tmp_path = tmp_path_factory.mktemp("f")
+    token = tmp_path / "token"
+    token.write_text("file-token\n")
+    registry = Registry(tmp_path)
+    registry.cmd += ["--token-file", str(token)]
+    registry.start()
+    node = None
+    try:
+        node = Proc("n3", node_cmd(registry.url, "--registry-token-file", str(token),
+                                   "--node-id", "tok-node"), tmp_path)
+        node.spawn()
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while registry.node("tok-node") is None:
+            assert node.alive and time.monotonic() < deadline, node.log()
+            time.sleep(0.25)
+        for proc in (registry.proc, node.proc):
+            argv = open(f"/proc/{proc.pid}/cmdline", "rb").read().decode()
+            assert "file-token" not in argv, argv
+    finally:
+        if node is not None:
+            node.stop()
+        registry.stop()

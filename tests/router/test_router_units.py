@@ -287,3 +287,22 @@ def test_node_answers_are_classified():
     assert not lost.retryable and lost.node_fault and "mid-request" in lost.message
     inband = inband_error(d, {"message": "KV transfer failed", "code": 500})
     assert inband.status == 500 and "KV transfer failed" in inband.message
+
+
+def test_a_draining_node_is_retried_elsewhere_and_never_picked_again():
+    import httpx
+
+    from pdserve.router.legs import status_error
+
+    table = NodeTable(RouterConfig())
+    table.update([record("p0", "prefill"), record("d0", "decode"), record("d1", "decode")])
+    d0 = table.nodes["d0"]
+    answer = httpx.Response(503, json={"error": {"message": "draining", "code": "draining"}})
+    err = status_error(d0, "decode", answer, table.nodes["p0"])
+    assert err.retryable and not err.node_fault and err.node is d0  # no breaker count
+    assert d0.draining and d0.breaker.available()
+    assert [n.node_id for n in table.usable("decode")] == ["d1"]
+    table.update([record("p0", "prefill"), record("d0", "decode"), record("d1", "decode")])
+    assert table.nodes["d0"].draining  # same instance, still registered: still skipped
+    table.update([record("p0", "prefill"), record("d0", "decode", instance="i2")])
+    assert not table.nodes["d0"].draining  # a new instance (restarted pod) is used again

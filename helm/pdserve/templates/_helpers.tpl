@@ -3,15 +3,18 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The resource name prefix, cut to 40 characters: the longest suffix the chart appends is
+"-registry-token" (15 → Service and Secret names stay within 63) and a StatefulSet's
+"-redis" must stay within 52 (its pods get a 63-character controller-revision-hash). */}}
 {{- define "pdserve.fullname" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
 {{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -48,7 +51,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.redis.enabled -}}internal{{- else if .Values.externalRedis.url -}}external{{- else -}}memory{{- end -}}
 {{- end -}}
 
-{{/* Env vars shared by nodes and the router: the pod's IP/name and the registry token. */}}
+{{/* Env vars shared by nodes and the router: the pod's IP and name. The registry token is a
+mounted file (pdserve.tokenMount), never an env var or an argument. */}}
 {{- define "pdserve.commonEnv" -}}
 - name: POD_IP
   valueFrom:
@@ -60,13 +64,90 @@ app.kubernetes.io/component: {{ .component }}
       fieldPath: metadata.name
 - name: PYTHONUNBUFFERED
   value: "1"
+{{- end -}}
+
+{{/* The registry token Secret as a file: volume, mount, and the flag pointing at it. */}}
+{{- define "pdserve.tokenPath" -}}/etc/pdserve/registry-token/token{{- end -}}
+{{- define "pdserve.tokenVolume" -}}
 {{- if .Values.registry.auth.enabled }}
-- name: PDSERVE_REGISTRY_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "pdserve.tokenSecretName" . }}
-      key: token
+- name: registry-token
+  secret:
+    secretName: {{ include "pdserve.tokenSecretName" . }}
 {{- end }}
+{{- end -}}
+{{- define "pdserve.tokenMount" -}}
+{{- if .Values.registry.auth.enabled }}
+- name: registry-token
+  mountPath: /etc/pdserve/registry-token
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The registry token: the value, else the one already in the cluster (so upgrades keep
+it), else a new random one. With `helm template` (GitOps) there is no cluster to ask: set
+registry.auth.token or existingSecret there, or every render makes a new token. */}}
+{{- define "pdserve.registryToken" -}}
+{{- $token := .Values.registry.auth.token -}}
+{{- if not $token -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "pdserve.tokenSecretName" .) -}}
+{{- if and $old $old.data (hasKey $old.data "token") -}}
+{{- $token = index $old.data "token" | b64dec -}}
+{{- else -}}
+{{- $token = randAlphaNum 40 -}}
+{{- end -}}
+{{- $_ := set .Values.registry.auth "token" $token -}}{{/* same value for every caller */}}
+{{- end -}}
+{{- $token -}}
+{{- end -}}
+
+{{/* Checksums of the Secrets a pod reads, as pod annotations: a changed token or password
+restarts the pods that use it. (dict "ctx" $ "store" bool) */}}
+{{- define "pdserve.secretChecksums" -}}
+{{- $ := .ctx -}}
+{{- if and $.Values.registry.auth.enabled (not $.Values.registry.auth.existingSecret) }}
+checksum/registry-token: {{ include "pdserve.registryToken" $ | sha256sum }}
+{{- end }}
+{{- if .store }}
+checksum/registry-store: {{ include "pdserve.storeUrl" $ | sha256sum }}
+{{- end }}
+{{- end -}}
+
+{{/* The bundled Redis's password: the value, else the one in the cluster, else random. */}}
+{{- define "pdserve.redisPassword" -}}
+{{- $pw := .Values.redis.auth.password -}}
+{{- if not $pw -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (printf "%s-redis" (include "pdserve.fullname" .)) -}}
+{{- if and $old $old.data (hasKey $old.data "password") -}}
+{{- $pw = index $old.data "password" | b64dec -}}
+{{- else -}}
+{{- $pw = randAlphaNum 32 -}}
+{{- end -}}
+{{- $_ := set .Values.redis.auth "password" $pw -}}
+{{- end -}}
+{{- $pw -}}
+{{- end -}}
+
+{{/* The registry's store URL (kept in a Secret: it may hold a password). */}}
+{{- define "pdserve.storeUrl" -}}
+{{- $store := include "pdserve.storeKind" . -}}
+{{- if eq $store "internal" -}}
+{{- $auth := ternary (printf ":%s@" (include "pdserve.redisPassword" .)) "" .Values.redis.auth.enabled -}}
+{{- printf "redis://%s%s-redis:%v/%v" $auth (include "pdserve.fullname" .) .Values.redis.port .Values.redis.db -}}
+{{- else if eq $store "external" -}}
+{{- .Values.externalRedis.url -}}
+{{- else -}}
+memory
+{{- end -}}
+{{- end -}}
+
+{{/* --model-cache-dir: with model.prepare and model.volume the init step converts onto the
+volume (a folder below mountPath), so the main containers find the model there. */}}
+{{- define "pdserve.cacheDir" -}}
+{{- if and .Values.model.prepare .Values.model.volume -}}
+{{- printf "%s/pdserve-models" .Values.model.mountPath -}}
+{{- else -}}
+{{- .Values.model.cacheDir -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod annotations: Prometheus scrape hints plus the tier's own; (dict "ctx" $ "port" N "extra" map). */}}
@@ -81,30 +162,57 @@ app.kubernetes.io/component: {{ .component }}
 {{- if $ann }}{{ toYaml $ann }}{{ end -}}
 {{- end -}}
 
-{{/* /health probes; call with (dict "port" "http" "startup" .Values.pd.startupProbe). */}}
+{{/* Probes: liveness on /livez (the process works: a node whose scheduler died, never a
+router whose node tier is down), readiness on /readyz (send it work: false while a node
+drains or the router has no usable pair). (dict "port" "http" "startup" .Values.pd.startupProbe) */}}
 {{- define "pdserve.probes" -}}
 {{- if .startup }}
 startupProbe:
   httpGet:
-    path: /health
+    path: /livez
     port: {{ .port }}
   periodSeconds: {{ .startup.periodSeconds }}
   failureThreshold: {{ .startup.failureThreshold }}
 {{- end }}
 livenessProbe:
   httpGet:
-    path: /health
+    path: /livez
     port: {{ .port }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
 readinessProbe:
   httpGet:
-    path: /health
+    path: /readyz
     port: {{ .port }}
   periodSeconds: 5
   timeoutSeconds: 3
   failureThreshold: 3
+{{- end -}}
+
+{{/* preStop sleep: the pod leaves Service endpoints (router) and the registry is re-read
+before SIGTERM starts the drain. (dict "seconds" N) */}}
+{{- define "pdserve.preStop" -}}
+{{- if gt (int .seconds) 0 }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .seconds | toString | quote }}]
+{{- end }}
+{{- end -}}
+
+{{/* A soft spread of a tier's pods over nodes; (dict "ctx" $ "component" "decode"). */}}
+{{- define "pdserve.topologySpread" -}}
+{{- $t := .ctx.Values.topologySpread -}}
+{{- if $t.enabled }}
+topologySpreadConstraints:
+  - maxSkew: {{ $t.maxSkew }}
+    topologyKey: {{ $t.topologyKey }}
+    whenUnsatisfiable: {{ $t.whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        {{- include "pdserve.selectorLabels" . | nindent 8 }}
+{{- end }}
 {{- end -}}
 
 {{/* Model volumes (pod level) for the tiers that load the model. */}}
@@ -127,7 +235,7 @@ readinessProbe:
 {{- end }}
 {{- if and .Values.model.prepare (not .Values.model.volume) }}
 - name: model-cache
-  mountPath: {{ .Values.model.cacheDir }}
+  mountPath: {{ include "pdserve.cacheDir" . }}
 {{- end }}
 {{- end -}}
 
@@ -144,7 +252,7 @@ initContainers:
       - --model
       - {{ .Values.model.name | quote }}
       - --model-cache-dir
-      - {{ .Values.model.cacheDir | quote }}
+      - {{ include "pdserve.cacheDir" . | quote }}
       - --device
       - cpu
       - --max-new-tokens
@@ -161,7 +269,7 @@ initContainers:
         mountPath: {{ .Values.model.mountPath }}
       {{- else }}
       - name: model-cache
-        mountPath: {{ .Values.model.cacheDir }}
+        mountPath: {{ include "pdserve.cacheDir" . }}
       {{- end }}
 {{- end }}
 {{- end -}}

@@ -16,7 +16,15 @@ The node binds and advertises the pod IP: the registry record's http_url is buil
 {{- $add := get $caps "add" | default list -}}
 {{- $_ := set $caps "add" (append $add "IPC_LOCK" | uniq) -}}
 {{- $_ := set $sc "capabilities" $caps -}}
+{{- if $.Values.rdma.runAsRoot -}}
+{{/* IPC_LOCK lifts the memlock limit only for root: a non-root user gets no ambient
+capabilities. Else the runtime's memlock limit must be raised (README). */}}
+{{- $_ := set $sc "runAsUser" 0 -}}
+{{- $_ := set $sc "runAsGroup" 0 -}}
+{{- $_ := set $sc "runAsNonRoot" false -}}
 {{- end -}}
+{{- end -}}
+{{- $pd := $.Values.pd -}}
 {{- $res := deepCopy ($tier.resources | default dict) -}}
 {{- if $rdma -}}
 {{- $req := deepCopy (get $res "requests" | default dict) -}}
@@ -33,7 +41,14 @@ metadata:
   labels:
     {{- include "pdserve.labels" (dict "ctx" $ "component" $role) | nindent 4 }}
 spec:
+  {{- if not (index $.Values.autoscaling $role).enabled }}{{/* else the autoscaler owns it */}}
   replicas: {{ $tier.replicas }}
+  {{- end }}
+  {{- if $hostNet }}
+  # Host ports: a surge pod cannot start where the old one still holds them.
+  strategy:
+    {{- toYaml $.Values.rdma.strategy | nindent 4 }}
+  {{- end }}
   selector:
     matchLabels:
       {{- include "pdserve.selectorLabels" (dict "ctx" $ "component" $role) | nindent 6 }}
@@ -41,11 +56,16 @@ spec:
     metadata:
       labels:
         {{- include "pdserve.labels" (dict "ctx" $ "component" $role) | nindent 8 }}
-      {{- with (include "pdserve.podAnnotations" (dict "ctx" $ "port" $tier.port "extra" $tier.podAnnotations) | trim) }}
+      {{- $ann := include "pdserve.podAnnotations" (dict "ctx" $ "port" $tier.port "extra" $tier.podAnnotations) | trim }}
+      {{- $sums := include "pdserve.secretChecksums" (dict "ctx" $ "store" false) | trim }}
+      {{- if or $ann $sums }}
       annotations:
-        {{- . | nindent 8 }}
+        {{- with $ann }}{{ . | nindent 8 }}{{ end }}
+        {{- with $sums }}{{ . | nindent 8 }}{{ end }}
       {{- end }}
     spec:
+      # preStop, then the drain (deregister, open requests finish), then a margin.
+      terminationGracePeriodSeconds: {{ add $pd.preStopSleepS $pd.drainTimeoutS $pd.drainGraceS 15 }}
       {{- with $.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -73,15 +93,19 @@ spec:
             - {{ . | quote }}
             {{- end }}
             - --model-cache-dir
-            - {{ $.Values.model.cacheDir | quote }}
+            - {{ include "pdserve.cacheDir" $ | quote }}
             - --registry
             - {{ include "pdserve.registryUrl" $ | quote }}
             {{- if $.Values.registry.auth.enabled }}
-            - --registry-token
-            - $(PDSERVE_REGISTRY_TOKEN)
+            - --registry-token-file
+            - {{ include "pdserve.tokenPath" $ }}
             {{- end }}
             - --registry-ttl-s
-            - {{ $.Values.pd.registryTtlS | quote }}
+            - {{ $pd.registryTtlS | quote }}
+            - --drain-timeout-s
+            - {{ $pd.drainTimeoutS | quote }}
+            - --drain-grace-s
+            - {{ $pd.drainGraceS | quote }}
             - --node-id
             - $(POD_NAME)
             - --host
@@ -121,6 +145,10 @@ spec:
             {{- end }}
           env:
             {{- include "pdserve.commonEnv" $ | nindent 12 }}
+            {{- if and $rdma (ne (toString $.Values.rdma.gidIndex) "") }}
+            - name: MC_GID_INDEX  # Mooncake's own setting: the RoCE GID index of the NIC
+              value: {{ $.Values.rdma.gidIndex | quote }}
+            {{- end }}
             {{- with $tier.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -137,16 +165,18 @@ spec:
           securityContext:
             {{- toYaml . | nindent 12 }}
           {{- end }}
-          {{- $mounts := include "pdserve.modelMounts" $ | trim }}
+          {{- with (include "pdserve.preStop" (dict "seconds" $pd.preStopSleepS) | trim) }}{{ . | nindent 10 }}{{- end }}
+          {{- $mounts := printf "%s\n%s" (include "pdserve.modelMounts" $ | trim) (include "pdserve.tokenMount" $ | trim) | trim }}
           {{- if $mounts }}
           volumeMounts:
             {{- $mounts | nindent 12 }}
           {{- end }}
-      {{- $vols := include "pdserve.modelVolumes" $ | trim }}
+      {{- $vols := printf "%s\n%s" (include "pdserve.modelVolumes" $ | trim) (include "pdserve.tokenVolume" $ | trim) | trim }}
       {{- if $vols }}
       volumes:
         {{- $vols | nindent 8 }}
       {{- end }}
+      {{- include "pdserve.topologySpread" (dict "ctx" $ "component" $role) | nindent 6 }}
       {{- with $tier.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}

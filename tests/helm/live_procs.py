@@ -1,0 +1,58 @@
+"""Real processes for the chart tests that run what the chart renders: free ports, a
+process in its own session that is always killed as a group, and waiting for HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240  # model load and the scheduler process on a loaded machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], log: Path, env: dict[str, str] | None = None):
+    """Run `cmd` (own session, output to `log`); SIGKILL its whole group on exit."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path,
+              timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{url} not up (exit {proc.poll()}):\n"
+                                 f"{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.25)
+
+
+def pdserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", *args]

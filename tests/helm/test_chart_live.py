@@ -1,0 +1,123 @@
+"""What the chart renders, run for real on this machine:
+
+- the bundled Redis's command (password on stdin) with the local redis-server: it refuses
+  clients without the password, and the registry started with the rendered flags and the
+  store URL from the rendered Secret (--store-file) uses it;
+- every metric an autoscaler (HPA or KEDA) of a tier refers to is one that a live node of
+  that tier exports at /metrics.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import time
+
+import httpx
+import pytest
+from live_procs import free_port, pdserve, running, wait_http
+from manifests import FULLNAME, get, main_container, pdserve_argv, tier
+
+PASSWORD = "pw-for-the-test"
+
+
+def _secret(docs, name: str, key: str) -> str:
+    return base64.b64decode(get(docs, "Secret", name)["data"][key]).decode()
+
+
+def test_rendered_redis_requires_its_password_and_the_registry_uses_it(render, tmp_path):
+    port = free_port()
+    docs = render(None, {"redis.auth.password": f'"{PASSWORD}"', "redis.port": str(port),
+                         "registry.auth.token": '"t"'})
+    redis = main_container(tier(docs, "redis"))
+    assert redis["command"] == ["sh", "-c"]
+    env = {"REDIS_PASSWORD": _secret(docs, f"{FULLNAME}-redis", "password")}
+    with running(["sh", "-c", *redis["args"]], tmp_path / "redis.log", env) as proc:
+        cli = ["redis-cli", "-p", str(port), "ping"]
+        for _ in range(100):
+            out = subprocess.run(cli, capture_output=True, text=True,
+                                 env={"REDISCLI_AUTH": PASSWORD, "PATH": "/usr/bin:/bin"})
+            if out.stdout.strip() == "PONG":
+                break
+            assert proc.poll() is None, (tmp_path / "redis.log").read_text()
+            time.sleep(0.1)
+        assert out.stdout.strip() == "PONG"
+        noauth = subprocess.run(cli, capture_output=True, text=True)
+        assert "NOAUTH" in noauth.stdout + noauth.stderr
+        argv = open(f"/proc/{proc.pid}/cmdline", "rb").read().decode()
+        assert PASSWORD not in argv
+
+        # The registry as rendered, with its mounted files written here.
+        url = _secret(docs, f"{FULLNAME}-registry-store", "url")
+        (tmp_path / "url").write_text(url.replace(f"{FULLNAME}-redis", "127.0.0.1"))
+        (tmp_path / "token").write_text(_secret(docs, f"{FULLNAME}-registry-token", "token"))
+        argv = pdserve_argv(main_container(tier(docs, "registry")))
+        reg_port = free_port()
+        files = {"/etc/pdserve/registry-store/url": str(tmp_path / "url"),
+                 "/etc/pdserve/registry-token/token": str(tmp_path / "token")}
+        argv = [files.get(a, a) for a in argv]
+        argv[argv.index("--port") + 1] = str(reg_port)
+        argv[argv.index("--host") + 1] = "127.0.0.1"
+        with running(pdserve(*argv), tmp_path / "registry.log") as reg:
+            base = f"http://127.0.0.1:{reg_port}"
+            wait_http(f"{base}/readyz", reg, tmp_path / "registry.log")
+            r = httpx.get(f"{base}/readyz", timeout=5).json()
+            assert r["store"] == "redis", r
+
+
+def _autoscaler_metrics(docs, role: str) -> set[str]:
+    names = set()
+    for d in docs:
+        if d["metadata"]["name"] != f"{FULLNAME}-{role}":
+            continue
+        if d["kind"] == "HorizontalPodAutoscaler":
+            names |= {m["pods"]["metric"]["name"] for m in d["spec"]["metrics"]}
+        elif d["kind"] == "ScaledObject":
+            for t in d["spec"]["triggers"]:
+                names |= set(re.findall(r"\bpdserve_[a-z0-9_]+", t["metadata"]["query"]))
+    return names
+
+
+@pytest.fixture(scope="module")
+def live_metrics(tmp_path_factory) -> dict[str, set[str]]:
+    """Metric names at /metrics of a real prefill and a real decode node (tiny-llama, tcp)."""
+    tmp = tmp_path_factory.mktemp("m")
+    reg_port = free_port()
+    registry = f"http://127.0.0.1:{reg_port}"
+    out: dict[str, set[str]] = {}
+    with running(pdserve("registry", "--port", str(reg_port)), tmp / "registry.log") as reg:
+        wait_http(f"{registry}/readyz", reg, tmp / "registry.log")
+        ports = {role: free_port() for role in ("prefill", "decode")}
+        logs = {role: tmp / f"{role}.log" for role in ports}
+        with running(pdserve("prefill", "--model", "tiny-llama", "--registry", registry,
+                             "--port", str(ports["prefill"]), "--transfer-backend", "tcp"),
+                     logs["prefill"]) as p, \
+             running(pdserve("decode", "--model", "tiny-llama", "--registry", registry,
+                             "--port", str(ports["decode"]), "--transfer-backend", "tcp"),
+                     logs["decode"]) as d:
+            for role, proc in (("prefill", p), ("decode", d)):
+                url = f"http://127.0.0.1:{ports[role]}"
+                wait_http(f"{url}/readyz", proc, logs[role])
+                text = httpx.get(f"{url}/metrics", timeout=10).text
+                out[role] = set(re.findall(r"^(pdserve_[a-z0-9_]+)", text, re.M))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["hpa", "keda"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_autoscaler_metrics_are_exported_by_live_nodes(render, live_metrics, kind, role):
+    docs = render(None, {f"autoscaling.{role}.enabled": "true",
+                         f"autoscaling.{role}.kind": f'"{kind}"'})
+    wanted = _autoscaler_metrics(docs, role)
+    assert wanted, f"no autoscaler metric for {role} ({kind})"
+    missing = wanted - live_metrics[role]
+    assert not missing, f"{role} nodes do not export {missing}; they do {live_metrics[role]}"
+
+
+@pytest.mark.parametrize("metric", ["pdserve_num_requests_running", "pdserve_pd_queue_length"])
+def test_documented_alternative_metrics_are_exported_too(render, live_metrics, metric):
+    """values.yaml names these as choices for autoscaling.<tier>.metric."""
+    docs = render(None, {"autoscaling.decode.enabled": "true",
+                         "autoscaling.decode.metric": f'"{metric}"'})
+    assert _autoscaler_metrics(docs, "decode") <= live_metrics["decode"]
