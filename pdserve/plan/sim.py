@@ -243,7 +243,7 @@ class Simulator:
             tpot = np.where(wl.osl > 1, (e2e - first) / (wl.osl - 1), np.nan)
         span = max(t_end, 1e-9)
         busy = {}
-        for kind, group in (("prefill", self.pn), ("decode", self.dn)):
+        for group in (self.pn, self.dn):
             if group:
                 busy[group[0].kind] = float(np.mean([g.busy_s for g in group]) / span)
         return SimResult(first, tpot, e2e, t_end, stable, events, wall, busy)

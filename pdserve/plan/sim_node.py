@@ -6,10 +6,10 @@ decode role's pre-allocation (docs/architecture.md: Decode node):
   queue, each at most `chunk` tokens, the batch at most `budget` tokens, within
   `max_running` requests; else a decode batch of every running request;
 - admission (when something runs): the prompt's pages + its decode reservation + every
-  running request's reservation (here in full, with half a page of rounding per request:
-  an O(1) stand-in for the engine's per-request sum) (`min(left, reserve_tokens)` tokens) + the pages partly
-  prefilled requests still need (+ requests still receiving KV on a decode node) must fit
-  in the pool;
+  running request's reservation (`min(left, reserve_tokens)` tokens; here in full, with
+  half a page of rounding per request: an O(1) stand-in for the engine's per-request sum)
+  + the pages partly prefilled requests still need (+ requests still receiving KV on a
+  decode node) must fit in the pool;
 - decode node: pre-allocation in arrival order under the same rule, at most `max_running`
   requests between running and receiving; a request joins the batch at the step start
   after its KV arrived.
