@@ -122,8 +122,10 @@ def fit_steps(info: dict) -> tuple[list[float], list[float]]:
     return fit_nonneg(ext[:, :3], ext[:, 3]), fit_nonneg(dec[:, :3], dec[:, 3])
 
 
-def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print) -> Profile:
-    plan = QUICK if quick else FULL
+def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
+                plan: dict | None = None) -> Profile:
+    """Measure and fit; `plan` overrides the QUICK/FULL point lists (tests use a tiny one)."""
+    plan = plan or (QUICK if quick else FULL)
     from pdserve.plan.profile_transfer import measure_transfer
 
     log(f"profiling {cfg.model} (page size {cfg.page_size}) with the real engine")

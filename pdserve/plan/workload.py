@@ -93,7 +93,7 @@ def load_trace(path: str | Path) -> Workload:
     except OSError as exc:
         raise ValueError(f"cannot read trace {path}: {exc.strerror}") from None
     first = text.lstrip()[:1]
-    rows = _csv_rows(text) if first and first not in "{[" else _json_rows(text, path)
+    rows = _csv_rows(text, path) if first and first not in "{[" else _json_rows(text, path)
     if not rows:
         raise ValueError(f"trace {path} has no requests")
     if "input_lens" in rows[0]:
@@ -115,8 +115,13 @@ def _json_rows(text: str, path: Path) -> list[dict]:
     return rows
 
 
-def _csv_rows(text: str) -> list[dict]:
-    return [dict(r) for r in csv.DictReader(text.splitlines())]
+def _csv_rows(text: str, path: Path) -> list[dict]:
+    reader = csv.DictReader(text.splitlines())
+    need = {"timestamp", "input_length", "output_length"}
+    if not need <= set(reader.fieldnames or ()):
+        raise ValueError(f"{path}: neither JSON lines nor a CSV with the header "
+                         "timestamp,input_length,output_length")
+    return [dict(r) for r in reader]
 
 
 def _from_mooncake(rows: list[dict], path: Path) -> Workload:
