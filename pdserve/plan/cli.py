@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     prof.add_argument("--quick", action="store_true", help="fewer points (~1 min, tiny-llama)")
     prof.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake"],
                       help="KV transfer backend measured between two processes")
+    prof.add_argument("--skip-serving", action="store_true",
+                      help="do not start a `pdserve serve` node to measure the HTTP and "
+                      "per-step serving overheads (they are then 0)")
     prof.set_defaults(func=run_profile)
 
     plan = sub.add_parser("plan", help="simulate xPyD and colocated shapes on a profile; "
@@ -77,7 +80,7 @@ def run_profile(args: argparse.Namespace) -> int:
         return _fail("profile", exc)
     from pdserve.plan.profile import run_profile as run
 
-    prof = run(cfg.engine, cfg.quick, cfg.transfer_backend)
+    prof = run(cfg.engine, cfg.quick, cfg.transfer_backend, serving=not args.skip_serving)
     prof.save(cfg.out)
     p, d = prof.prefill_coef, prof.decode_coef
     print(f"prefill step = {1e3 * p[0]:.2f} ms + {1e3 * p[1]:.4f} ms/token "
@@ -87,6 +90,8 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"KV transfer  = {1e3 * prof.transfer_latency_s:.2f} ms + "
           f"{prof.transfer_gbps:.2f} GB/s; KV pool {prof.kv_pool_tokens} tokens "
           f"({prof.kv_bytes_per_token} B/token)")
+    print(f"serving      = {1e3 * prof.request_overhead_s:.2f} ms per request + "
+          f"{1e3 * prof.step_overhead_s:.2f} ms per step")
     print(f"wrote {cfg.out}")
     return 0
 

@@ -123,7 +123,7 @@ def fit_steps(info: dict) -> tuple[list[float], list[float]]:
 
 
 def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
-                plan: dict | None = None) -> Profile:
+                plan: dict | None = None, serving: bool = True) -> Profile:
     """Measure and fit; `plan` overrides the QUICK/FULL point lists (tests use a tiny one)."""
     plan = plan or (QUICK if quick else FULL)
     from pdserve.plan.profile_transfer import measure_transfer
@@ -134,7 +134,7 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
     log(f"  KV transfer ({backend}) between two processes")
     tx = measure_transfer(info["layout"], cfg.page_size, cfg.model, backend,
                           plan["transfer_sizes"], plan["transfer_reps"])
-    return Profile(
+    prof = Profile(
         model=cfg.model, page_size=cfg.page_size, engine=asdict(cfg),
         kv_bytes_per_token=info["bytes_per_token"], kv_pool_tokens=info["pool_tokens"],
         torch_threads=int(info["describe"]["torch_threads"]), cpu_count=os.cpu_count() or 1,
@@ -142,3 +142,12 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
         transfer_latency_s=tx["latency_s"], transfer_gbps=tx["gbps"],
         points={"extend": info["extend"], "decode": info["decode"],
                 "transfer": tx["points"], "engine": info["describe"]})
+    if serving:
+        from pdserve.plan.profile_http import measure_overheads
+
+        log("  serving overheads through a real `pdserve serve` node")
+        over = measure_overheads(cfg, prof)
+        prof.request_overhead_s = over["request_overhead_s"]
+        prof.step_overhead_s = over["step_overhead_s"]
+        prof.points["serving"] = over
+    return prof

@@ -1,7 +1,8 @@
 """The profile of one node: measured points, the cost models fitted to them, and the JSON file.
 
-Cost models (seconds), all fitted by least squares on the points `pdserve profile` measured
-with the real engine (docs/architecture.md: Capacity planning):
+Cost models (seconds; each step also pays `step_overhead_s`, the serving loop's own cost
+measured through a real node by `profile_http.py`), all fitted by least squares on the
+points `pdserve profile` measured with the real engine (docs/architecture.md: Capacity planning):
 - extend (prefill) step: `p0 + p1 * tokens + p2 * attn`, where `tokens` is the batch's new
   tokens and `attn = sum(q_len * kv_len) / 1e6` over its rows (the attention term that makes
   later chunks of a long prompt dearer than the first);
@@ -53,18 +54,19 @@ class Profile:
     decode_coef: list[float]  # d0, d1, d2
     transfer_latency_s: float
     transfer_gbps: float  # bytes / s / 1e9
-    request_overhead_s: float = 0.0  # HTTP + router path added to TTFT (0: not measured)
+    request_overhead_s: float = 0.0  # a node's HTTP path, added to TTFT (0: not measured)
+    step_overhead_s: float = 0.0  # a node's per-step serving cost (token emission, detok)
     points: dict = field(default_factory=dict)  # raw measurements, for the record
     version: int = PROFILE_VERSION
 
     # -- cost models ------------------------------------------------------------------
     def extend_s(self, tokens: float, attn_pairs: float) -> float:
         p0, p1, p2 = self.prefill_coef
-        return p0 + p1 * tokens + p2 * attn_pairs / 1e6
+        return p0 + p1 * tokens + p2 * attn_pairs / 1e6 + self.step_overhead_s
 
     def decode_s(self, batch: float, ctx_sum: float) -> float:
         d0, d1, d2 = self.decode_coef
-        return d0 + d1 * batch + d2 * ctx_sum / 1e3
+        return d0 + d1 * batch + d2 * ctx_sum / 1e3 + self.step_overhead_s
 
     def transfer_s(self, tokens: float) -> float:
         return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (
@@ -96,7 +98,8 @@ class Profile:
     def check(self) -> None:
         if len(self.prefill_coef) != 3 or len(self.decode_coef) != 3:
             raise ProfileError("profile: prefill_coef and decode_coef need 3 numbers each")
-        nums = [*self.prefill_coef, *self.decode_coef, self.transfer_latency_s]
+        nums = [*self.prefill_coef, *self.decode_coef, self.transfer_latency_s,
+                self.request_overhead_s, self.step_overhead_s]
         if any(not isinstance(v, (int, float)) or v < 0 for v in nums):
             raise ProfileError("profile: cost coefficients must be numbers >= 0")
         if self.transfer_gbps <= 0 or self.kv_pool_tokens <= 0 or self.page_size < 1:

@@ -14,7 +14,8 @@ TINY_PLAN = {"prompts": [16, 300], "batch_prompts": (2, 64), "decode_batches": [
 
 def test_profile_measures_and_round_trips(tmp_path):
     cfg = EngineConfig(model="tiny-llama", max_total_tokens=4096, chunked_prefill_size=256)
-    prof = run_profile(cfg, quick=True, backend="tcp", log=lambda *_: None, plan=TINY_PLAN)
+    prof = run_profile(cfg, quick=True, backend="tcp", log=lambda *_: None, plan=TINY_PLAN,
+                       serving=True)
     assert prof.model == "tiny-llama" and prof.page_size == 16
     assert prof.kv_pool_tokens == 4096
     # tiny-llama: 4 layers x 2 KV heads x head dim 16, K and V, float32
@@ -24,6 +25,8 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert {p[1] for p in prof.points["decode"]} == {1, 4}
     assert prof.extend_s(256, 0) > 0 and prof.decode_s(4, 1000) > 0
     assert prof.transfer_gbps > 0 and len(prof.points["transfer"]) == 2
+    serving = prof.points["serving"]  # through a real node: 33 tokens take longer than 1
+    assert serving["tokens_s"] > serving["one_token_s"] > 0
     path = tmp_path / "p.json"
     prof.save(path)
     assert Profile.load(path) == prof
