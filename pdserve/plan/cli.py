@@ -29,6 +29,8 @@ PLAN_HELP = {
     "machine_cores": "model every node sharing one machine of this many cores (0: a machine "
                      "per node)",
     "node_threads": "torch threads per node for --machine-cores (0: the profile's)",
+    "background_load": "with --machine-cores: runnable threads of other processes on that "
+                       "machine (e.g. its load average before the stack starts)",
     "transfer_backend": "transfer.backend in --values-out (default: the profile's)",
     "values_out": "write Helm values for helm/pdserve (the best xPyD shape)",
     "plot": "PNG of SLO attainment vs rate for the best shapes",

@@ -38,6 +38,7 @@ class PlanConfig:
     page_size: int = 0  # refuse a profile of another page size (0: any)
     machine_cores: float = 0.0
     node_threads: int = 0  # 0: the profile's torch threads
+    background_load: float = 0.0  # other runnable threads on the shared machine
     transfer_backend: str = ""  # values.yaml transfer.backend (empty: the profile's)
     values_out: str = ""
     plot: str = ""
@@ -52,8 +53,10 @@ class PlanConfig:
             raise ValueError("--rate must be finite")
         if self.num_requests < 1 or self.max_nodes < 1 or self.top < 1:
             raise ValueError("--num-requests, --max-nodes and --top must be >= 1")
-        if self.burstiness <= 0 or self.machine_cores < 0 or self.node_threads < 0:
-            raise ValueError("--burstiness must be > 0; --machine-cores, --node-threads >= 0")
+        if self.burstiness <= 0 or min(self.machine_cores, self.node_threads,
+                                       self.background_load) < 0:
+            raise ValueError("--burstiness must be > 0; --machine-cores, --node-threads, "
+                             "--background-load >= 0")
         if self.page_size < 0:
             raise ValueError("--page-size must be >= 0")
         self.costs()

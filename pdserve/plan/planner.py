@@ -43,7 +43,8 @@ def prepare(cfg: PlanConfig) -> Job:
         raise ValueError(f"a request needs {longest} KV tokens but a node's pool holds "
                          f"{prof.kv_pool_tokens} (profile with a larger --kv-cache-mb)")
     base = ClusterSpec(node=node_spec(prof), machine_cores=cfg.machine_cores,
-                       node_threads=cfg.node_threads or prof.torch_threads)
+                       node_threads=cfg.node_threads or prof.torch_threads,
+                       background_load=cfg.background_load)
     return Job(prof, slos, wl, base, cfg.costs())
 
 

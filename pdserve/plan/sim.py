@@ -15,7 +15,9 @@ sends to the least-loaded node; TTFT is the end of the last prefill chunk's step
 
 Machine sharing: with `machine_cores > 0` all nodes share one machine of that many cores
 and a step starting while `n` nodes compute (itself included) takes
-`max(1, n * node_threads / machine_cores)` times its profiled time.
+`max(1, (n * node_threads + background_load) / machine_cores)` times its profiled time
+(`background_load`: runnable threads of processes outside the cluster, e.g. the load
+average before the stack started).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ClusterSpec:
     node: NodeSpec = NodeSpec()
     machine_cores: float = 0.0  # > 0: every node shares one machine of this many cores
     node_threads: int = 1
+    background_load: float = 0.0  # runnable threads of other processes on that machine
     balance_abs: int = 4  # router --balance-abs-threshold
     balance_rel: float = 1.5  # router --balance-rel-threshold
     max_backlog: int = 0  # stop early when this many requests are open (0: 50x capacity)
@@ -97,7 +100,8 @@ class Simulator:
         c = self.c
         if c.machine_cores <= 0:
             return 1.0
-        return max(1.0, self.machine_busy * c.node_threads / c.machine_cores)
+        return max(1.0, (self.machine_busy * c.node_threads + c.background_load)
+                   / c.machine_cores)
 
     # -- node steps ------------------------------------------------------------------------------
     def _kick(self, node: SimNode, t: float) -> None:

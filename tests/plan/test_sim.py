@@ -122,3 +122,9 @@ def test_pick_prefill_yields_to_load_beyond_thresholds():
         idx.add(0, 1)
     assert pick_prefill(idx, 0, abs_threshold=4, rel_threshold=1.5) == 1  # 10 vs 0
     assert pick_prefill(idx, 0, abs_threshold=20, rel_threshold=1.5) == 0
+
+
+def test_background_load_takes_its_share_of_the_machine():
+    work = wl([0.0], [100], [1])
+    r = run(ClusterSpec(colocated=1, machine_cores=2, node_threads=2, background_load=2), work)
+    assert r.ttft[0] == pytest.approx(2 * 0.110)  # (2 + 2) runnable threads on 2 cores
