@@ -129,6 +129,7 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
     from pdserve.plan.profile_transfer import measure_transfer
 
     log(f"profiling {cfg.model} (page size {cfg.page_size}) with the real engine")
+    load = os.getloadavg()[0]
     info, _ = measure_engine(cfg, plan, log)
     prefill, decode = fit_steps(info)
     log(f"  KV transfer ({backend}) between two processes")
@@ -141,7 +142,8 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
         transfer_backend=backend, prefill_coef=prefill, decode_coef=decode,
         transfer_latency_s=tx["latency_s"], transfer_gbps=tx["gbps"],
         points={"extend": info["extend"], "decode": info["decode"],
-                "transfer": tx["points"], "engine": info["describe"]})
+                "transfer": tx["points"], "engine": info["describe"],
+                "loadavg": [load, os.getloadavg()[0]]})
     if serving:
         from pdserve.plan.profile_http import measure_overheads
 
