@@ -59,6 +59,8 @@ class PlanConfig:
                              "--background-load >= 0")
         if self.page_size < 0:
             raise ValueError("--page-size must be >= 0")
+        if self.transfer_backend not in ("", "tcp", "mooncake"):
+            raise ValueError("--transfer-backend must be tcp or mooncake")
         self.costs()
 
     def costs(self) -> dict[str, float]:

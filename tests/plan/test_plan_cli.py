@@ -69,6 +69,7 @@ def test_check_keys_refuses_unknown_key():
     (["--rate", "2", "--slo", "ttft_p90:500", "--isl", "uniform:9"], "distribution"),
     (["--rate", "2", "--slo", "ttft_p90:500", "--node-cost", "gpu:3"], "--node-cost"),
     (["--rate", "2", "--slo", "ttft_p90:500", "--isl", "100000"], "KV tokens"),
+    (["--rate", "2", "--slo", "ttft_p90:500", "--transfer-backend", "rdma"], "tcp or mooncake"),
 ])
 def test_bad_input_exits_nonzero_with_a_message(profile, capsys, extra, message):
     assert main(plan(profile, *extra)) == 2
