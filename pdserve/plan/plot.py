@@ -15,7 +15,7 @@ def attainment_plot(path: str | Path, curves: dict[str, list[tuple[float, float]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, pts in curves.items():
         ax.plot([r for r, _ in pts], [100 * a for _, a in pts], marker="o", label=label)
-    ax.axvline(rate, color="grey", linestyle=":", label=f"planned rate {rate:g}/s")
+    ax.axvline(rate, color="grey", linestyle=":", label=f"planned rate {rate:.3g}/s")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(0, 105)
