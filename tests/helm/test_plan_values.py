@@ -7,12 +7,22 @@ import yaml
 from manifests import flag, main_container, pdserve_argv, tier
 
 from pdserve.plan.helm_values import plan_values, write_values
+from pdserve.plan.profile_model import Profile
 from pdserve.plan.sim import ClusterSpec
-from tests.plan.helpers import round_profile
+
+
+def small_profile() -> Profile:
+    return Profile(model="tiny-llama", page_size=16,
+                   engine={"chunked_prefill_size": 2048, "max_prefill_tokens": 4096,
+                           "max_running_requests": 64, "decode_reserve_tokens": 64,
+                           "kv_cache_mb": 512},
+                   kv_bytes_per_token=1024, kv_pool_tokens=1 << 16, torch_threads=1,
+                   cpu_count=2, transfer_backend="tcp", prefill_coef=[0.01, 0.001, 0.0],
+                   decode_coef=[0.02, 0.0, 0.0], transfer_latency_s=0.005, transfer_gbps=1.0)
 
 
 def test_plan_values_render_replicas_and_node_flags(helm, tmp_path):
-    values = plan_values(round_profile(), ClusterSpec(prefill=2, decode=3), "tcp")
+    values = plan_values(small_profile(), ClusterSpec(prefill=2, decode=3), "tcp")
     path = tmp_path / "values.yaml"
     write_values(path, values, "test")
     docs = [d for d in yaml.safe_load_all(helm_tool.render(helm, path)) if d]

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import yaml
+from plan_helpers import round_profile
 
 from pdserve.cli import main
 from pdserve.plan.helm_values import CHART_VALUES, check_keys
-from tests.plan.helpers import round_profile
 
 
 @pytest.fixture

@@ -1,15 +1,15 @@
-"""Simulator cases small enough to check by hand (costs in tests/plan/helpers.py)."""
+"""Simulator cases small enough to check by hand (costs in tests/plan/plan_helpers.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from plan_helpers import round_profile
 
 from pdserve.plan.sim import ClusterSpec, Simulator
 from pdserve.plan.sim_node import NodeSpec
 from pdserve.plan.sim_router import LoadIndex, pick_prefill
 from pdserve.plan.workload import Workload, synthetic
-from tests.plan.helpers import round_profile
 
 
 def wl(arrivals, isl, osl) -> Workload:
