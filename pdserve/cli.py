@@ -22,6 +22,7 @@ SUBCOMMANDS: list[str] = [
     "pdserve.router.cli",
     "pdserve.stack.cli",
     "pdserve.loadtest.cli",
+    "pdserve.plan.cli",
 ]
 
 

@@ -1,0 +1,198 @@
+"""`pdserve plan`'s predictions against real stacks on this machine, plus simulator speed.
+
+1. `pdserve profile` of the model (real engine, KV transfer between two processes, serving
+   overheads through a real node);
+2. for each shape (1P1D, 1P2D, 2P1D, colocated) and rate: the simulator's p50/p90 TTFT and
+   TPOT, then the same seeded `pdserve bench` run (same arrival times, fixed lengths)
+   against `pdserve up` (or `pdserve serve` for colocated), and the relative error;
+3. simulator scale: 500 nodes (250P250D) at 10,000 req/s for `--scale-seconds` simulated
+   seconds, and the projected wall time of one simulated hour.
+Every process of a stack shares this machine's cores: the simulation models that with
+`machine_cores = os.cpu_count()` (a step that starts while n nodes compute is n x slower
+when each node's torch threads fill the machine). Other processes on the machine are
+modelled as `background_load` = the load average just before each stack starts minus the
+one while profiling (the profile already carries that much contention) (`pred_loaded`);
+`pred_quiet` assumes none. Both are reported. Simulator speed is timed on a fixed
+GPU-like reference profile, so it does not depend on how loaded this machine was.
+
+    python bench/plan_accuracy.py [--quick] [--out bench/out/plan_accuracy.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import base_parser, print_table, write_json  # noqa: E402
+from pd_vs_colocated import free_port, start, stop  # noqa: E402
+
+from pdserve.cli import main as pdserve_main  # noqa: E402
+from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.loadtest.arrivals import arrival_times  # noqa: E402
+from pdserve.loadtest.report import row_stat  # noqa: E402
+from pdserve.plan.profile import run_profile  # noqa: E402
+from pdserve.plan.profile_model import Profile  # noqa: E402
+from pdserve.plan.search import node_spec  # noqa: E402
+from pdserve.plan.sim import ClusterSpec, Simulator  # noqa: E402
+from pdserve.plan.workload import Workload, synthetic  # noqa: E402
+
+METRICS = (("ttft", 50), ("ttft", 90), ("tpot", 50), ("tpot", 90))
+
+
+def shape_of(text: str) -> tuple[int, int, int]:
+    if text.endswith("C"):
+        return 0, 0, int(text[:-1])
+    p, d = text.rstrip("D").split("P")
+    return int(p), int(d), 0
+
+
+def predict(prof, shape: str, rate: float, args, background: float) -> dict:
+    import numpy as np
+
+    p, d, c = shape_of(shape)
+    cluster = ClusterSpec(prefill=p, decode=d, colocated=c, node=node_spec(prof),
+                          machine_cores=os.cpu_count() or 1, node_threads=prof.torch_threads,
+                          background_load=background)
+    n = args.num_prompts
+    wl = Workload(arrival_times(n, rate, 1.0, args.seed), np.full(n, args.isl),
+                  np.full(n, args.osl))
+    res = Simulator(prof, cluster, args.seed).run(wl)
+    vals = {"ttft": res.ttft, "tpot": res.tpot}
+    return {f"{m}_p{q}": 1e3 * float(np.nanpercentile(vals[m], q)) for m, q in METRICS}
+
+
+def measure(shape: str, rate: float, args, work: Path) -> dict:
+    """Run the shape for real; `rows["load"]` is the 1-minute load average just before the
+    stack started (other processes' runnable threads, for the background-load model)."""
+    p, d, c = shape_of(shape)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    common = ["--model", args.model, "--port", str(port)]
+    if c:
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", *common]
+    else:
+        cmd = [sys.executable, "-m", "pdserve.cli", "up", *common, "--prefill", str(p),
+               "--decode", str(d), "--transfer-backend", args.transfer_backend,
+               "--log-dir", str(work / f"logs-{shape}")]
+    load = os.getloadavg()[0]
+    proc = start(cmd, url, work / f"{shape}.log")
+    out = work / f"{shape}.jsonl"
+    rows: dict = {"load": load}
+    try:
+        for r in args.rate_list:
+            if r != rate and rate is not None:
+                continue
+            pdserve_main(["bench", "--base-url", url, "--backend", "generate",
+                          "--num-prompts", str(args.num_prompts), "--request-rate", str(r),
+                          "--random-input-len", str(args.isl), "--random-output-len",
+                          str(args.osl), "--random-range-ratio", "0", "--ignore-eos",
+                          "--seed", str(args.seed), "--percentiles", "50,90",
+                          "--output-file", str(out), "--disable-tqdm", "--label", shape])
+            row = json.loads(out.read_text().splitlines()[-1])
+            rows[r] = {f"{m}_p{q}": row_stat(row, m, q) for m, q in METRICS}
+            rows[r]["failed"] = row["failed"]
+    finally:
+        stop(proc)
+    return rows
+
+
+def rel(pred: float, meas: float | None) -> float | None:
+    return abs(pred - meas) / meas if meas else None
+
+
+def reference_profile(model: str) -> Profile:
+    """GPU-like round numbers: prefill 20k tok/s, decode step 15 ms + 0.1 ms/request,
+    25 GB/s transfer, 500k KV tokens per node (only the simulator's speed is measured)."""
+    return Profile(model=model, page_size=16, engine={"max_running_requests": 256},
+                   kv_bytes_per_token=65536, kv_pool_tokens=500_000, torch_threads=1,
+                   cpu_count=1, transfer_backend="mooncake", prefill_coef=[0.01, 5e-5, 0.0],
+                   decode_coef=[0.015, 1e-4, 1e-5], transfer_latency_s=0.001,
+                   transfer_gbps=25.0)
+
+
+def scale(prof: Profile, seconds: float) -> dict:
+    rate, nodes = 10_000.0, 500
+    wl = synthetic(rate, int(rate * seconds), "uniform:64:512", "uniform:8:64", seed=1)
+    cluster = ClusterSpec(prefill=nodes // 2, decode=nodes // 2, node=node_spec(prof))
+    res = Simulator(prof, cluster).run(wl)
+    per_sim_s = res.wall_s / max(res.duration, 1e-9)
+    return {"nodes": nodes, "rate": rate, "sim_seconds": round(res.duration, 2),
+            "requests": len(wl), "events": res.events, "wall_s": round(res.wall_s, 2),
+            "events_per_s": round(res.events / res.wall_s), "stable": res.stable,
+            "projected_wall_s_for_1h": round(per_sim_s * 3600), "under_1_min": False}
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--shapes", default="1P1D,1P2D,2P1D,1C")
+    parser.add_argument("--rates", default="")
+    parser.add_argument("--isl", type=int, default=256)
+    parser.add_argument("--osl", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=0)
+    parser.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake"])
+    parser.add_argument("--scale-seconds", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args()
+    args.rate_list = [float(r) for r in (args.rates or ("2,6" if args.quick else "2,4,8"))
+                      .split(",")]
+    args.num_prompts = args.num_prompts or (30 if args.quick else 80)
+    args.scale_seconds = args.scale_seconds or (5.0 if args.quick else 30.0)
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
+        work = Path(tmp)
+        prof = run_profile(EngineConfig(model=args.model), quick=True,
+                           backend=args.transfer_backend)
+        prof.save(work / "profile.json")
+        if args.out:  # kept next to the results: `pdserve plan --profile` can reuse it
+            prof.save(Path(args.out).with_suffix(".profile.json"))
+        rows = []
+        for shape in args.shapes.split(","):
+            measured = measure(shape, None, args, work)
+            for rate in args.rate_list:
+                quiet = predict(prof, shape, rate, args, 0.0)
+                extra = max(0.0, measured["load"] - statistics.mean(prof.points["loadavg"]))
+                loaded = predict(prof, shape, rate, args, extra)
+                meas = measured[rate]
+                for m, q in METRICS:
+                    key = f"{m}_p{q}"
+                    rows.append({"shape": shape, "rate": rate, "metric": key,
+                                 "pred_quiet_ms": quiet[key], "pred_loaded_ms": loaded[key],
+                                 "measured_ms": meas[key], "rel_err_quiet": rel(quiet[key],
+                                                                               meas[key]),
+                                 "rel_err": rel(loaded[key], meas[key]),
+                                 "load": round(measured["load"], 2), "failed": meas["failed"]})
+    print_table(rows, ["shape", "rate", "metric", "pred_quiet_ms", "pred_loaded_ms",
+                       "measured_ms", "rel_err_quiet", "rel_err", "load", "failed"])
+    errs = [r["rel_err"] for r in rows if r["rel_err"] is not None]
+    errs_quiet = [r["rel_err_quiet"] for r in rows if r["rel_err_quiet"] is not None]
+    by_metric = {k: round(statistics.median([r["rel_err"] for r in rows if r["metric"] == k
+                                             and r["rel_err"] is not None]), 3)
+                 for k in {r["metric"] for r in rows}}
+    sc = scale(reference_profile(args.model), args.scale_seconds)
+    sc["under_1_min"] = sc["projected_wall_s_for_1h"] < 60
+    print("scale:", sc)
+    summary = {"median_rel_err": round(statistics.median(errs), 3),
+               "median_rel_err_without_background_load": round(
+                   statistics.median(errs_quiet), 3),
+               "median_rel_err_by_metric": by_metric, "goal_median_rel_err": 0.25,
+               "profile": {"prefill_coef": prof.prefill_coef, "decode_coef": prof.decode_coef,
+                           "request_overhead_s": prof.request_overhead_s,
+                           "step_overhead_s": prof.step_overhead_s,
+                           "transfer_gbps": prof.transfer_gbps},
+               "scale": sc, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+               "profile_loadavg": prof.points["loadavg"],
+               "wall_s": round(time.monotonic() - t0, 1), "model": args.model}
+    print("summary:", json.dumps(summary))
+    write_json(args.out, summary, rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""`pdserve profile`: measure one node with the real engine in this process.
+
+- extend (prefill) steps: single prompts of several lengths (chunked by the node's
+  `--chunked-prefill-size`) and a batch of several prompts; every step's new tokens,
+  attention pairs and wall time;
+- decode steps: batches of several sizes at two context lengths;
+- KV transfer between two real processes (`profile_transfer.py`);
+- the KV pool's capacity at `--kv-cache-mb`.
+Steps are timed around `Engine.step()` on the normal loop, so scheduling and result
+processing count, as they do on a CPU node (docs/architecture.md: Automatic loop choice).
+The cost models are fitted in `profile_model.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from pdserve.config import EngineConfig
+from pdserve.plan.profile_model import Profile, fit_nonneg
+from pdserve.sampling_params import SamplingParams
+
+QUICK = {"prompts": [32, 128, 384, 768, 1536], "batch_prompts": (4, 256),
+         "decode_batches": [1, 4, 16, 32], "contexts": [64, 768], "decode_tokens": 12,
+         "reps": 3, "transfer_sizes": [64, 512, 2048], "transfer_reps": 3}
+FULL = {"prompts": [32, 128, 256, 512, 1024, 1536, 2047], "batch_prompts": (8, 256),
+        "decode_batches": [1, 2, 4, 8, 16, 32, 64], "contexts": [64, 512, 1536],
+        "decode_tokens": 16, "reps": 3, "transfer_sizes": [64, 256, 1024, 4096],
+        "transfer_reps": 5}
+
+
+class StepRecorder:
+    """Wraps the executor's `launch` to learn the shape of each step's batch."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.shape = engine, None
+        launch = engine.executor.launch
+
+        def recording(batch):
+            rows = batch.rows
+            if batch.kind == "extend":
+                attn = sum(r.q_len * (r.start + r.q_len) for r in rows)
+                self.shape = ("extend", sum(r.q_len for r in rows), attn, len(rows))
+            else:
+                self.shape = ("decode", len(rows), sum(r.start + 1 for r in rows), len(rows))
+            return launch(batch)
+
+        engine.executor.launch = recording
+
+    def run(self, prompts: list[list[int]], max_new: int, rng: random.Random) -> list[tuple]:
+        eng = self.engine
+        for ids in prompts:
+            eng.add_request(f"p{rng.getrandbits(48)}", ids, SamplingParams(
+                max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+        points = []
+        while eng.has_work():
+            self.shape = None
+            t0 = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t0
+            if self.shape is not None:
+                points.append((*self.shape, dt))
+        eng.loop.drain()
+        return points
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 1000) for _ in range(n)]
+
+
+def measure_engine(cfg: EngineConfig, plan: dict, log=print) -> tuple[dict, object]:
+    from pdserve.engine.engine import Engine
+
+    eng = Engine(cfg)
+    rec, rng = StepRecorder(eng), random.Random(0)
+    limit = eng.context_length - plan["decode_tokens"] - 2
+    rec.run([_ids(rng, 16)], 2, rng)  # warm-up
+    extend = []
+    for _ in range(plan["reps"]):
+        for n in plan["prompts"]:
+            extend += [p for p in rec.run([_ids(rng, min(n, limit))], 1, rng) if p[0] == "extend"]
+        k, n = plan["batch_prompts"]
+        extend += [p for p in rec.run([_ids(rng, n) for _ in range(k)], 1, rng)
+                   if p[0] == "extend"]
+    log(f"  prefill: {len(extend)} extend steps measured")
+    decode = []
+    for ctx in plan["contexts"]:
+        for b in plan["decode_batches"]:
+            b = min(b, cfg.max_running_requests)
+            pts = rec.run([_ids(rng, min(ctx, limit)) for _ in range(b)],
+                          plan["decode_tokens"], rng)
+            decode += [p for p in pts if p[0] == "decode" and p[3] == b][1:]
+    log(f"  decode: {len(decode)} decode steps measured")
+    info = {"extend": [list(p) for p in extend], "decode": [list(p) for p in decode],
+            "pool_tokens": eng.max_total_tokens, "bytes_per_token": eng.layout.bytes_per_token,
+            "layout": (eng.layout.num_layers, eng.layout.num_kv_heads, eng.layout.head_dim,
+                       str(eng.layout.dtype).removeprefix("torch.")),
+            "describe": eng.describe()}
+    assert eng.pools_full(), "profiling leaked KV pages"
+    eng.close()
+    return info, eng
+
+
+def best_of(points: list[list], ctx_bucket: int) -> list[list]:
+    """Lowest time per batch shape (noise from other processes only adds time, as in
+    bench/forward.py); decode contexts grouped in buckets of `ctx_bucket` tokens per row."""
+    best: dict[tuple, list] = {}
+    for p in points:
+        key = (p[0], p[1], p[3], p[2] // max(1, ctx_bucket * p[3]))
+        if key not in best or p[4] < best[key][4]:
+            best[key] = p
+    return list(best.values())
+
+
+def fit_steps(info: dict) -> tuple[list[float], list[float]]:
+    ext = np.array([[1.0, p[1], p[2] / 1e6, p[4]] for p in best_of(info["extend"], 1 << 30)])
+    dec = np.array([[1.0, p[1], p[2] / 1e3, p[4]] for p in best_of(info["decode"], 256)])
+    return fit_nonneg(ext[:, :3], ext[:, 3]), fit_nonneg(dec[:, :3], dec[:, 3])
+
+
+def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
+                plan: dict | None = None, serving: bool = True) -> Profile:
+    """Measure and fit; `plan` overrides the QUICK/FULL point lists (tests use a tiny one)."""
+    plan = plan or (QUICK if quick else FULL)
+    from pdserve.plan.profile_transfer import measure_transfer
+
+    log(f"profiling {cfg.model} (page size {cfg.page_size}) with the real engine")
+    load = os.getloadavg()[0]
+    info, _ = measure_engine(cfg, plan, log)
+    prefill, decode = fit_steps(info)
+    log(f"  KV transfer ({backend}) between two processes")
+    tx = measure_transfer(info["layout"], cfg.page_size, cfg.model, backend,
+                          plan["transfer_sizes"], plan["transfer_reps"])
+    prof = Profile(
+        model=cfg.model, page_size=cfg.page_size, engine=asdict(cfg),
+        kv_bytes_per_token=info["bytes_per_token"], kv_pool_tokens=info["pool_tokens"],
+        torch_threads=int(info["describe"]["torch_threads"]), cpu_count=os.cpu_count() or 1,
+        transfer_backend=backend, prefill_coef=prefill, decode_coef=decode,
+        transfer_latency_s=tx["latency_s"], transfer_gbps=tx["gbps"],
+        points={"extend": info["extend"], "decode": info["decode"],
+                "transfer": tx["points"], "engine": info["describe"],
+                "loadavg": [load, os.getloadavg()[0]]})
+    if serving:
+        from pdserve.plan.profile_http import measure_overheads
+
+        log("  serving overheads through a real `pdserve serve` node")
+        over = measure_overheads(cfg, prof)
+        prof.request_overhead_s = over["request_overhead_s"]
+        prof.step_overhead_s = over["step_overhead_s"]
+        prof.points["serving"] = over
+    return prof

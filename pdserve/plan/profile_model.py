@@ -1,0 +1,117 @@
+"""The profile of one node: measured points, the cost models fitted to them, and the JSON file.
+
+Cost models (seconds; each step also pays `step_overhead_s`, the serving loop's own cost
+measured through a real node by `profile_http.py`), all fitted by least squares on the
+points `pdserve profile` measured with the real engine (docs/architecture.md: Capacity planning):
+- extend (prefill) step: `p0 + p1 * tokens + p2 * attn`, where `tokens` is the batch's new
+  tokens and `attn = sum(q_len * kv_len) / 1e6` over its rows (the attention term that makes
+  later chunks of a long prompt dearer than the first);
+- decode step: `d0 + d1 * batch + d2 * ctx / 1e3`, `ctx` the sum of context lengths;
+- KV transfer of n tokens: `t0 + n * bytes_per_token / bandwidth`.
+A coefficient that comes out negative (noise on a flat curve) is dropped and the rest refit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used (missing, malformed, or for another setup)."""
+
+
+def fit_nonneg(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares y ≈ x @ c with c >= 0, by dropping negative columns and refitting
+    (enough for 2-3 columns of physically non-negative costs)."""
+    cols = list(range(x.shape[1]))
+    while True:
+        c, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if (c >= 0).all() or len(cols) == 1:
+            out = [0.0] * x.shape[1]
+            for i, v in zip(cols, c, strict=True):
+                out[i] = max(0.0, float(v))
+            return out
+        cols.pop(int(np.argmin(c)))
+
+
+@dataclass
+class Profile:
+    model: str
+    page_size: int
+    engine: dict  # EngineConfig fields the profile ran with (chunk, budgets, max running)
+    kv_bytes_per_token: int
+    kv_pool_tokens: int  # KV capacity of one node at `engine["kv_cache_mb"]`
+    torch_threads: int
+    cpu_count: int
+    transfer_backend: str
+    prefill_coef: list[float]  # p0, p1, p2
+    decode_coef: list[float]  # d0, d1, d2
+    transfer_latency_s: float
+    transfer_gbps: float  # bytes / s / 1e9
+    request_overhead_s: float = 0.0  # a node's HTTP path, added to TTFT (0: not measured)
+    step_overhead_s: float = 0.0  # a node's per-step serving cost (token emission, detok)
+    points: dict = field(default_factory=dict)  # raw measurements, for the record
+    version: int = PROFILE_VERSION
+
+    # -- cost models ------------------------------------------------------------------
+    def extend_s(self, tokens: float, attn_pairs: float) -> float:
+        p0, p1, p2 = self.prefill_coef
+        return p0 + p1 * tokens + p2 * attn_pairs / 1e6 + self.step_overhead_s
+
+    def decode_s(self, batch: float, ctx_sum: float) -> float:
+        d0, d1, d2 = self.decode_coef
+        return d0 + d1 * batch + d2 * ctx_sum / 1e3 + self.step_overhead_s
+
+    def transfer_s(self, tokens: float) -> float:
+        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (
+            self.transfer_gbps * 1e9)
+
+    # -- file ----------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile {path} is not JSON: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"profile {path}: not a pdserve profile version "
+                               f"{PROFILE_VERSION} (run `pdserve profile` again)")
+        try:
+            prof = cls(**doc)
+        except TypeError as exc:
+            raise ProfileError(f"profile {path}: {exc}") from None
+        prof.check()
+        return prof
+
+    def check(self) -> None:
+        if len(self.prefill_coef) != 3 or len(self.decode_coef) != 3:
+            raise ProfileError("profile: prefill_coef and decode_coef need 3 numbers each")
+        nums = [*self.prefill_coef, *self.decode_coef, self.transfer_latency_s,
+                self.request_overhead_s, self.step_overhead_s]
+        if any(not isinstance(v, (int, float)) or v < 0 for v in nums):
+            raise ProfileError("profile: cost coefficients must be numbers >= 0")
+        if self.transfer_gbps <= 0 or self.kv_pool_tokens <= 0 or self.page_size < 1:
+            raise ProfileError("profile: transfer_gbps, kv_pool_tokens, page_size must be > 0")
+        if self.extend_s(1, 0) <= 0 or self.decode_s(1, 0) <= 0:
+            raise ProfileError("profile: step cost models must be > 0")
+
+    def expect(self, model: str | None, page_size: int | None) -> None:
+        """Refuse a profile measured for another model or page size than the plan's."""
+        if model and model != self.model:
+            raise ProfileError(f"profile is for model {self.model!r}, not {model!r}; "
+                               "profile that model first")
+        if page_size and page_size != self.page_size:
+            raise ProfileError(f"profile was measured with page size {self.page_size}, not "
+                               f"{page_size}; profile again with --page-size {page_size}")

@@ -1,0 +1,32 @@
+"""`pdserve profile` on tiny-llama with a handful of points: real engine steps, a real KV
+transfer between two processes, and a profile file the planner accepts."""
+
+from __future__ import annotations
+
+from pdserve.config import EngineConfig
+from pdserve.plan.profile import run_profile
+from pdserve.plan.profile_model import Profile
+
+TINY_PLAN = {"prompts": [16, 300], "batch_prompts": (2, 64), "decode_batches": [1, 4],
+             "contexts": [32, 300], "decode_tokens": 5, "reps": 1, "transfer_sizes": [32, 512],
+             "transfer_reps": 1}
+
+
+def test_profile_measures_and_round_trips(tmp_path):
+    cfg = EngineConfig(model="tiny-llama", max_total_tokens=4096, chunked_prefill_size=256)
+    prof = run_profile(cfg, quick=True, backend="tcp", log=lambda *_: None, plan=TINY_PLAN,
+                       serving=True)
+    assert prof.model == "tiny-llama" and prof.page_size == 16
+    assert prof.kv_pool_tokens == 4096
+    # tiny-llama: 4 layers x 2 KV heads x head dim 16, K and V, float32
+    assert prof.kv_bytes_per_token == 4 * 2 * 16 * 2 * 4
+    # the 300-token prompt ran as chunks of 256 + 44 with the given chunk size
+    assert [p[1] for p in prof.points["extend"] if p[3] == 1][:3] == [16, 256, 44]
+    assert {p[1] for p in prof.points["decode"]} == {1, 4}
+    assert prof.extend_s(256, 0) > 0 and prof.decode_s(4, 1000) > 0
+    assert prof.transfer_gbps > 0 and len(prof.points["transfer"]) == 2
+    serving = prof.points["serving"]  # through a real node: 33 tokens take longer than 1
+    assert serving["tokens_s"] > serving["one_token_s"] > 0
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert Profile.load(path) == prof
