@@ -211,7 +211,21 @@ class Engine:
 
     def pools_full(self) -> bool:
         """True when no request holds KV or a slot (cached prefixes count as free)."""
+        if not self.requests and not self.has_runnable():
+            self.kv.drain_copies()  # idle: HiCache copies finish and are acknowledged
         return self.kv.idle_is_full()
+
+    def hicache_stats(self) -> dict:
+        """Host tier gauges and counters for /metrics and /server_info ({} when off)."""
+        if self.hicache is None:
+            return {}
+        s = self.kv.stats()
+        out = {k: v for k, v in s.items() if k.startswith("host_") or k.endswith(
+            ("_evictions", "_ops", "_bytes", "_skipped"))}
+        out["host_used_pages"] = s["host_total_pages"] - s["host_free_pages"]
+        out["backup_seconds"] = self.hicache.stats["backup_seconds"]
+        out["load_seconds"] = self.hicache.stats["load_seconds"]
+        return out
 
     def close(self) -> None:
         self.role.close()

@@ -169,10 +169,13 @@ class KVManager:
             out.update({k: v for k, v in self.ctrl.stats.items() if k.endswith(("ops", "bytes"))})
         return out
 
-    def idle_is_full(self) -> bool:
-        if self.hi is not None:  # idle means copies drained too: wait and acknowledge them
+    def drain_copies(self) -> None:
+        """Wait for every submitted HiCache copy and acknowledge it (idle engine only)."""
+        if self.hi is not None:
             self.ctrl.wait(self.ctrl._next_id)
             self.hi.check_acks()
+
+    def idle_is_full(self) -> bool:
         s = self.stats()
         return (s["free_pages"] + s["evictable_pages"] == s["total_pages"]
                 and s["free_slots"] == s["total_slots"]
