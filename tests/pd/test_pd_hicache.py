@@ -139,3 +139,49 @@ def test_negative_control_without_exclusion_ships_poison(pair, monkeypatch):
     p.hicache.gate.set()
     c.run(timeout=60)
     c.assert_pools_full()
+
+
+def test_guard_refuses_loading_pages():
+    from types import SimpleNamespace
+
+    from prefill_node.role import PrefillRole
+
+    role = PrefillRole.__new__(PrefillRole)  # the guard needs no engine or transfer manager
+    role.loading_pages = lambda req: frozenset({4, 5})
+    req = SimpleNamespace(rid="r")
+    role._guard(req, range(0, 4))
+    role._guard(req, range(6, 9))
+    with pytest.raises(RuntimeError, match="HiCache load is pending"):
+        role._guard(req, range(3, 5))
+
+
+def test_deferred_pages_go_once_in_order():
+    from prefill_node.bookkeeping import SendProgress
+
+    sp = SendProgress(prompt_len=10 * PS + 3, page_size=PS)
+    assert sp.early_send(10 * PS, frozenset(range(4, 10))) == range(0, 4)
+    assert sp.early_send(10 * PS, frozenset(range(4, 10))) == range(4, 4)
+    assert sp.early_send(10 * PS) == range(4, 10)  # the load is done
+    sp.chunk_scheduled(10 * PS + 3)
+    assert sp.chunk_done(False).pages == range(10, 11)
+
+
+def test_decode_prefix_host_hit_loads_before_commit():
+    """HiCache on the decode node: its cached prefix was forced to the host; the request
+    loads it back (not transferred), commits only once loaded, and decodes exactly."""
+    c = PDCluster(MODEL, "tcp", decodes=[{"enable_hierarchical_cache": True}])
+    try:
+        d = c.decodes[0]
+        c.generate([DOC + [7]], greedy(2))
+        assert d.pools_full()
+        d.kv.cache.evict(d.kv.cache.total_pages)
+        free = list(d.kv_pool.allocator._free)
+        for b in d.kv_pool.k_buffers + d.kv_pool.v_buffers:
+            _page_view(d, b)[free] = POISON
+        hits = d.memory_stats()["host_hit_tokens"]
+        leg = c.generate([PROMPT], greedy(6))[0]
+        assert d.memory_stats()["host_hit_tokens"] - hits == 10 * PS
+        assert leg.output_ids == colocated_greedy(MODEL, [PROMPT], 6)[0]
+        c.assert_pools_full()
+    finally:
+        c.close()
