@@ -31,12 +31,13 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class HiNode(Node):
-    __slots__ = ("host", "hits")
+    __slots__ = ("host", "hits", "load_op")
 
     def __init__(self, key=(), pages=None, parent=None) -> None:
         super().__init__(key, pages, parent)
         self.host: list[int] | None = None
         self.hits = 0
+        self.load_op = 0  # the load that writes its device pages (done once acknowledged)
 
 
 class Match(NamedTuple):
@@ -44,6 +45,8 @@ class Match(NamedTuple):
     device_node: Node  # deepest node whose pages are on the device
     host_pages: int  # pages past it found only on the host
     host_node: Node  # deepest matched node (== device_node when host_pages == 0)
+    loading: range  # indices into device_pages a load (another request's) still writes
+    load_op: int  # newest such load (0: none)
 
 
 class HiRadixCache(RadixCache):
@@ -70,7 +73,7 @@ class HiRadixCache(RadixCache):
         ps = self.page_size
         usable = len(tokens) // ps * ps
         node, pages, pos, host_n = self.root, [], 0, 0
-        dev_node = node
+        dev_node, load_from, load_op = node, -1, 0
         node.last_access = next(_clock)
         while pos < usable:
             child = node.children.get(tuple(tokens[pos:pos + ps]))
@@ -81,6 +84,9 @@ class HiRadixCache(RadixCache):
                 child = self._split(child, n)
             if child.pages:
                 assert not host_n, "a device node below a host-only node"
+                if child.load_op and not self.ctrl.done(child.load_op):
+                    load_from = len(pages) if load_from < 0 else load_from
+                    load_op = max(load_op, child.load_op)
                 pages.extend(child.pages)
                 dev_node = child
             else:
@@ -95,7 +101,8 @@ class HiRadixCache(RadixCache):
             self.hit_tokens += len(pages) * ps
             if self.policy == "write_through_selective" and dev_node.hits >= 2:
                 self.backup(dev_node)
-        return Match(pages, dev_node, host_n, node)
+        loading = range(load_from, len(pages)) if load_from >= 0 else range(0)
+        return Match(pages, dev_node, host_n, node, loading, load_op)
 
     def match_prefix(self, tokens: list[int], count: bool = True) -> tuple[list[int], Node]:
         m = self.match(tokens, count)
@@ -108,6 +115,7 @@ class HiRadixCache(RadixCache):
         upper = HiNode(child.key[:cut], child.pages[:n_pages], child.parent)
         upper.lock_ref, upper.hits, upper.last_access = child.lock_ref, child.hits, \
             child.last_access
+        upper.load_op = child.load_op
         if child.host is not None:
             upper.host, child.host = child.host[:n_pages], child.host[n_pages:]
         upper.children = {self._first(child.key[cut:]): child}
@@ -208,6 +216,8 @@ class HiRadixCache(RadixCache):
             host.extend(n.host)
             off += k
         op = self.ctrl.load(host, dev)
+        for n in path:
+            n.load_op = op
         self._pending[op] = m.host_node
         self.stats["host_hit_tokens"] += m.host_pages * self.page_size
         return dev, op

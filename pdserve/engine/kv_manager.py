@@ -83,10 +83,13 @@ class KVManager:
         host-only part loaded back (asynchronously; the batch waits per layer)."""
         m = self.hi.match(prefix)
         pages, node = list(m.device_pages), m.device_node
+        if m.load_op:  # part of the device hit is still being loaded (for another request)
+            req.load_op, req.load_pages = m.load_op, m.loading
         loaded = self.hi.load_back(m, self._alloc_pages) if m.host_pages else None
         if loaded is not None:
             new, op = loaded
-            req.load_op, req.load_pages = op, range(len(pages), len(pages) + len(new))
+            start = req.load_pages.start if req.load_op else len(pages)
+            req.load_op, req.load_pages = op, range(start, len(pages) + len(new))
             pages.extend(new)
             node = m.host_node
         return pages, node

@@ -142,3 +142,27 @@ def test_abort_during_load_leaks_nothing(llm):
     # The aborted load completed into pages the tree owns: the next request reuses them.
     out = llm.generate([doc + [13]], greedy(5))[0]
     assert tuple(out.output_ids) == hf_greedy(tuple(doc + [13]), 5)
+
+
+def test_second_request_on_a_loading_prefix_knows_it_is_loading(llm):
+    eng = llm.engine
+    doc = prompt(96, seed=12)
+    llm.generate([doc + [3]], greedy(2))
+    force_to_host(llm)
+    eng.hicache.gate.clear()
+    try:
+        first = eng.add_request("share-1", doc + [4, 5], greedy(3))
+        second = eng.add_request("share-2", doc + [6, 7, 8], greedy(3))
+        eng.step()  # both admitted in one batch: the first loads, the second shares it
+        assert eng.kv.loading_pages(first) == frozenset(range(6))
+        assert eng.kv.loading_pages(second) == frozenset(range(6))
+    finally:
+        eng.hicache.gate.set()
+    while eng.has_work():
+        eng.step()
+    eng.loop.drain()
+    assert eng.kv.loading_pages(second) == frozenset()
+    for req in (first, second):
+        ids = tuple(req.prompt_ids)
+        assert tuple(req.output_ids) == hf_greedy(ids, 3)
+    assert_both_tiers_full(llm)

@@ -187,3 +187,20 @@ def test_insert_over_host_only_nodes_takes_the_new_device_pages(tiers):
     t.dev.allocator.free(dup)
     t.identities()
     t.assert_full_after_reset()
+
+
+def test_a_second_match_sees_pages_still_loading(tiers):
+    t = tiers()
+    toks, _, _ = _cached(t, 3, seed=11)
+    t.settle()
+    t.cache.evict(3)
+    t.ctrl.gate.clear()
+    pages, op = t.cache.load_back(t.cache.match(toks), t.alloc)
+    again = t.cache.match(toks + [5])
+    assert again.device_pages == pages and again.host_pages == 0
+    assert again.loading == range(0, 3) and again.load_op == op
+    t.ctrl.gate.set()
+    t.settle()
+    assert t.cache.match(toks).loading == range(0) and t.cache.match(toks).load_op == 0
+    t.identities()
+    t.assert_full_after_reset()
