@@ -75,7 +75,10 @@ def main() -> int:
     p.add_argument("--pool-fraction", type=float, default=0.25,
                    help="device KV pool as a fraction of all documents' tokens")
     p.add_argument("--loop", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.docs, args.doc_tokens, args.rounds = 8, 512, 2
     torch.manual_seed(0)
