@@ -118,6 +118,8 @@ class DecodeRole(Role):
         committed = False
         for req in list(self.transferring):
             state = req.receiver.poll()
+            if state == KVPoll.Success and self.engine.kv.loading_pages(req):
+                continue  # its cached prefix is still loading from the HiCache host tier
             if state == KVPoll.Success:
                 self.transferring.remove(req)
                 self._commit(req)

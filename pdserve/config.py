@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,11 @@ class EngineConfig:
     decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
     seed: int = 0
     model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
+    # HiCache: a host-memory KV tier behind the radix cache (docs/architecture.md: HiCache).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pages / device pages (when hicache_size is 0)
+    hicache_size: float = 0.0  # host tier in GiB; 0 = from hicache_ratio
+    hicache_write_policy: str = "write_through"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -56,6 +62,21 @@ class EngineConfig:
             raise ValueError(f"loop must be auto|overlap|normal, got {self.loop!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda[:N], got {self.device!r}")
+        self._check_hicache()
+
+    def _check_hicache(self) -> None:
+        if not self.hicache_ratio > 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if not self.hicache_size >= 0:
+            raise ValueError(f"hicache_size must be >= 0 GiB, got {self.hicache_size}")
+        if self.hicache_write_policy not in HICACHE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {'|'.join(HICACHE_POLICIES)}"
+                             f", got {self.hicache_write_policy!r}")
+        if self.hicache_size:
+            have = physical_memory_bytes()
+            if have and self.hicache_size * (1 << 30) > have * 0.9:
+                raise ValueError(f"hicache_size {self.hicache_size} GiB does not fit this "
+                                 f"machine's memory ({have / (1 << 30):.1f} GiB)")
 
     @property
     def requested_loop(self) -> str:
@@ -78,7 +99,7 @@ class EngineConfig:
             if f.type in ("bool", bool):
                 group.add_argument(flag, action="store_true", help=_HELP.get(f.name, ""))
             else:
-                typ = int if f.type in ("int", int) else str
+                typ = {"int": int, "float": float}.get(str(f.type), str)
                 group.add_argument(
                     flag, type=typ, default=f.default,
                     help=f"{_HELP.get(f.name, '')} (default: {f.default!r})",
@@ -88,6 +109,16 @@ class EngineConfig:
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
+
+def physical_memory_bytes() -> int:
+    """Total RAM of this machine (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+HICACHE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 _HELP = {
     "model": "built-in name (smollm2-135m, tiny-llama, tiny-qwen2) or a local HF folder",
@@ -112,4 +143,11 @@ _HELP = {
     "decode_reserve_tokens": "KV tokens reserved per running request for future decode steps",
     "seed": "seed of the engine's sampler for unseeded requests",
     "model_cache_dir": "where built-in models are converted/generated (default: user cache)",
+    "enable_hierarchical_cache": "HiCache: keep evicted prefix KV in a host-memory tier and "
+                                 "load it back instead of recomputing",
+    "hicache_ratio": "host KV tier size as a multiple of the device KV pool (> 0)",
+    "hicache_size": "host KV tier size in GiB (0: use --hicache-ratio)",
+    "hicache_write_policy": "when cached KV is copied to the host tier: write_through (on "
+                            "insert), write_through_selective (once hit twice), write_back "
+                            "(on device eviction)",
 }

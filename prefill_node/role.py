@@ -29,6 +29,7 @@ import logging
 from kv_transfer import KVPoll, KVSender, KVTransferConfig
 from pdserve.disagg.metadata import MetadataPool, pack_row
 from pdserve.disagg.transfer_setup import make_kv_manager
+from pdserve.engine.request import ReqState
 from pdserve.engine.role import Role
 from prefill_node.bookkeeping import SendProgress
 
@@ -90,6 +91,8 @@ class PrefillRole(Role):
         for req in list(self.live):
             if req.sender.poll() == KVPoll.Failed and not req.finished:
                 self._fail(req, req.sender.failure_reason or "KV transfer failed")
+            elif req.load_op:
+                self._send_loaded(req)
         for req in list(self.inflight):
             state = req.sender.poll()
             if state.terminal:
@@ -106,13 +109,25 @@ class PrefillRole(Role):
 
     # 3. admission: early send of cached prefix pages ---------------------------------------
     def loading_pages(self, req) -> frozenset[int]:
-        """Pages a host-tier (HiCache) load is still writing; none until that tier exists."""
-        return frozenset()
+        """Indices of the request's pages (positions in `req.pages`, not pool ids) that a
+        HiCache host->device load is still writing (docs/architecture.md: HiCache)."""
+        return self.engine.kv.loading_pages(req)
 
     def on_admitted(self, req) -> None:
         if not self.early_send or not req.cached_len:
             return
         pages = req.progress.early_send(req.cached_len, self.loading_pages(req))
+        self._send(req, pages)
+        self.early_sent_pages += len(pages)
+
+    def _send_loaded(self, req) -> None:
+        """Cached pages held back because their load was pending go out, in order, as
+        soon as the load is done (or with the next chunk result, whichever comes first)."""
+        if (not self.early_send or req.state is not ReqState.RUNNING or req.slot is None
+                or req.progress.sent_pages >= req.cached_len // self.page_size
+                or self.loading_pages(req)):
+            return
+        pages = req.progress.early_send(req.cached_len)
         self._send(req, pages)
         self.early_sent_pages += len(pages)
 
@@ -130,10 +145,15 @@ class PrefillRole(Role):
         (runs while the next batch's forward runs, under the overlap loop)."""
         for row in batch.rows:
             req = row.req
+            if req.load_op and self.engine.hicache is not None:
+                # This forward read every layer of the load, so it is complete; wait only
+                # for the copy thread to publish that (a few instructions).
+                self.engine.hicache.wait(req.load_op)
             aborted = req.finish_reason in ("abort", "error")
             pages, last = req.progress.chunk_done(aborted, row_end=row.start + row.q_len)
             if last and not aborted:  # 5. the first token is known now
                 row_bytes = pack_row(req.room, req.output_ids[0])
+                self._guard(req, pages)
                 req.sender.send([req.pages[p] for p in pages], last=True, metadata=row_bytes)
             else:
                 self._send(req, pages)
@@ -167,7 +187,16 @@ class PrefillRole(Role):
 
     def _send(self, req, pages: range) -> None:
         if len(pages):
+            self._guard(req, pages)
             req.sender.send([req.pages[p] for p in pages])
+
+    def _guard(self, req, pages: range) -> None:
+        """Never hand the sender a page a HiCache load is still writing: it would ship
+        whatever the freed device page held before."""
+        loading = self.loading_pages(req)
+        if loading and any(p in loading for p in pages):
+            raise RuntimeError(f"refusing to send pages of {req.rid} whose HiCache load is "
+                               f"pending: {sorted(loading.intersection(pages))}")
 
     def _free_meta(self, req) -> None:
         if req.meta_slot is not None:

@@ -33,6 +33,7 @@ class Batch:
     packed: Packed | None = None
     generators: tuple = ()
     all_greedy: bool = True
+    load_barrier: int = 0  # HiCache load op whose layers the forward waits for (0: none)
 
     @property
     def sampled_rows(self) -> list[Row]:

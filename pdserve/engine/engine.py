@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from pdserve.cache.hicache_controller import HiCacheController
 from pdserve.config import EngineConfig
 from pdserve.engine.executor import InlineExecutor, ThreadedExecutor
 from pdserve.engine.future_map import FutureMap
@@ -22,6 +23,7 @@ from pdserve.engine.role import Role
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.staging import StagingRing
+from pdserve.memory.host_pool import HostKVPool, host_pages_for
 from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
 from pdserve.models.loader import LoadedModel, load_model
@@ -52,12 +54,15 @@ class Engine:
                                self.loaded.dtype, cfg.page_size)
         self.kv_pool = KVPool(self.layout, self._num_pages(), self.device)
         req_pool = ReqToTokenPool(cfg.max_running_requests + 1, self.context_length + 1)
-        self.kv = KVManager(self.kv_pool, req_pool, use_cache=not cfg.disable_prefix_cache)
+        self.host_pool, self.hicache = self._make_hicache()
+        self.kv = KVManager(self.kv_pool, req_pool, use_cache=not cfg.disable_prefix_cache,
+                            host_pool=self.host_pool, ctrl=self.hicache,
+                            write_policy=cfg.hicache_write_policy)
         self.future_map = FutureMap(cfg.max_running_requests, self.device)
         self.staging = StagingRing(self.device)
         self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role)
         runner = ModelRunner(self.loaded.model, self.kv_pool, self.future_map,
-                             Sampler(self.device, cfg.seed), self.device)
+                             Sampler(self.device, cfg.seed), self.device, self.hicache)
         self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length,
                                    self.role)
         self.loop_choice = choose_loop(cfg.requested_loop, self.device)
@@ -71,6 +76,22 @@ class Engine:
             self.loop = NormalLoop(self.sched, self.executor, self.out)
         self.requests: dict[str, Req] = {}
         self.role.attach(self)
+
+    def _make_hicache(self) -> tuple[HostKVPool | None, HiCacheController | None]:
+        """The host KV tier and its copy controller, when HiCache is on
+        (docs/architecture.md: HiCache)."""
+        cfg = self.cfg
+        if not cfg.enable_hierarchical_cache:
+            return None, None
+        if cfg.disable_prefix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the prefix cache "
+                             "(drop --disable-prefix-cache)")
+        pages = host_pages_for(self.layout, self.kv_pool.num_pages, cfg.hicache_ratio,
+                               cfg.hicache_size)
+        host = HostKVPool(self.layout, pages, pin=self.device.type == "cuda")
+        log.info("HiCache: host tier of %d pages (%.1f MiB), policy %s", pages,
+                 pages * host.page_bytes_all_layers / (1 << 20), cfg.hicache_write_policy)
+        return host, HiCacheController(self.kv_pool, host, self.device)
 
     def _num_pages(self) -> int:
         tokens = self.cfg.max_total_tokens or (self.cfg.kv_cache_mb << 20) // \
@@ -180,15 +201,34 @@ class Engine:
         return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,
-                "max_total_tokens": self.max_total_tokens}
+                "max_total_tokens": self.max_total_tokens,
+                "hicache": None if self.host_pool is None else {
+                    "host_pages": self.host_pool.num_pages,
+                    "write_policy": self.cfg.hicache_write_policy}}
 
     def memory_stats(self) -> dict[str, int]:
         return self.kv.stats()
 
     def pools_full(self) -> bool:
         """True when no request holds KV or a slot (cached prefixes count as free)."""
+        if not self.requests and not self.has_runnable():
+            self.kv.drain_copies()  # idle: HiCache copies finish and are acknowledged
         return self.kv.idle_is_full()
+
+    def hicache_stats(self) -> dict:
+        """Host tier gauges and counters for /metrics and /server_info ({} when off)."""
+        if self.hicache is None:
+            return {}
+        s = self.kv.stats()
+        out = {k: v for k, v in s.items() if k.startswith("host_") or k.endswith(
+            ("_evictions", "_ops", "_bytes", "_skipped"))}
+        out["host_used_pages"] = s["host_total_pages"] - s["host_free_pages"]
+        out["backup_seconds"] = self.hicache.stats["backup_seconds"]
+        out["load_seconds"] = self.hicache.stats["load_seconds"]
+        return out
 
     def close(self) -> None:
         self.role.close()
         self.executor.close()
+        if self.hicache is not None:
+            self.hicache.close()

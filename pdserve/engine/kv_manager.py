@@ -4,24 +4,38 @@ Every method keeps one accounting identity that tests read through `stats()`:
     free pages + pages held by the cache + pages held by requests (outside the cache)
     == total pages.
 When no request is alive, `idle_is_full()` says free + evictable == total and all
-request slots are free.
+request slots are free. With HiCache (`ctrl` given) the cache is a `HiRadixCache` and the
+host tier keeps its own identity: host free + host pages in the tree == host total
+(docs/architecture.md: HiCache).
 """
 
 from __future__ import annotations
 
+from pdserve.cache.hicache_controller import HiCacheController
+from pdserve.cache.hiradix_cache import HiRadixCache
 from pdserve.cache.radix_cache import RadixCache
 from pdserve.engine.request import Req
+from pdserve.memory.host_pool import HostKVPool
 from pdserve.memory.kv_pool import KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
 
 
 class KVManager:
-    def __init__(self, kv_pool: KVPool, req_pool: ReqToTokenPool, use_cache: bool) -> None:
+    def __init__(self, kv_pool: KVPool, req_pool: ReqToTokenPool, use_cache: bool,
+                 host_pool: HostKVPool | None = None, ctrl: HiCacheController | None = None,
+                 write_policy: str = "write_through") -> None:
         self.kv = kv_pool
         self.req_pool = req_pool
         self.page_size = kv_pool.page_size
         self.alloc = kv_pool.allocator
-        self.cache = RadixCache(self.page_size, self.alloc.free) if use_cache else None
+        self.host_pool, self.ctrl = host_pool, ctrl
+        self.cache: RadixCache | None = None
+        if use_cache and ctrl is not None and host_pool is not None:
+            self.cache = HiRadixCache(self.page_size, self.alloc.free, host_pool.allocator,
+                                      ctrl, write_policy)
+        elif use_cache:
+            self.cache = RadixCache(self.page_size, self.alloc.free)
+        self.hi = self.cache if isinstance(self.cache, HiRadixCache) else None
 
     # -- capacity -------------------------------------------------------------
     @property
@@ -51,7 +65,11 @@ class KVManager:
         req.pages, req.cached_len, req.kv_len = [], 0, 0
         if self.cache is not None:
             # Keep at least one token to compute: its logits give the next token.
-            pages, node = self.cache.match_prefix(req.fill_ids[: len(req.fill_ids) - 1])
+            prefix = req.fill_ids[: len(req.fill_ids) - 1]
+            if self.hi is not None:
+                pages, node = self._match_and_load(req, prefix)
+            else:
+                pages, node = self.cache.match_prefix(prefix)
             self.cache.lock(node)
             req.cache_node, req.pages = node, list(pages)
             req.cached_len = req.kv_len = len(pages) * self.page_size
@@ -59,6 +77,39 @@ class KVManager:
                 req.cached_tokens = req.cached_len
             self.req_pool.write(slot, 0, self.kv.slots_of(req.pages, 0, req.kv_len))
         return True
+
+    def _match_and_load(self, req: Req, prefix: list[int]) -> tuple[list[int], object]:
+        """HiCache admission: device hit plus, when worth it and the device has room, the
+        host-only part loaded back (asynchronously; the batch waits per layer)."""
+        m = self.hi.match(prefix)
+        pages, node = list(m.device_pages), m.device_node
+        if m.load_op:  # part of the device hit is still being loaded (for another request)
+            req.load_op, req.load_pages = m.load_op, m.loading
+        loaded = self.hi.load_back(m, self._alloc_pages) if m.host_pages else None
+        if loaded is not None:
+            new, op = loaded
+            start = req.load_pages.start if req.load_op else len(pages)
+            req.load_op, req.load_pages = op, range(start, len(pages) + len(new))
+            pages.extend(new)
+            node = m.host_node
+        return pages, node
+
+    def check_acks(self) -> None:
+        """Acknowledge finished HiCache copies (unlocks their nodes); once per step."""
+        if self.hi is not None:
+            self.hi.check_acks()
+
+    def load_barrier(self) -> int:
+        """The newest HiCache load a batch launched now must wait for, per layer (0: none)."""
+        if self.ctrl is None or not self.ctrl.is_loading():
+            return 0
+        return self.ctrl.last_load
+
+    def loading_pages(self, req: Req) -> frozenset[int]:
+        """Indices into `req.pages` whose HiCache load has not completed."""
+        if self.ctrl is None or not req.load_op or self.ctrl.done(req.load_op):
+            return frozenset()
+        return frozenset(req.load_pages)
 
     def extend(self, req: Req, new_len: int) -> list[int] | None:
         """Allocate KV for positions [kv_len, new_len); return their slots (None: no room)."""
@@ -79,16 +130,21 @@ class KVManager:
         if self.cache is not None:
             full = computed // self.page_size if cache_it else req.cached_len // self.page_size
             tokens = (req.prompt_ids + req.output_ids)[: full * self.page_size]
-            present = self.cache.insert(tokens, req.pages[:full])
-            # Pages [cached, present) are duplicates of what others cached meanwhile.
             own_start = req.cached_len // self.page_size
-            self.alloc.free(req.pages[own_start:present])
+            if self.hi is not None:
+                dups = self.hi.insert_dups(tokens, req.pages[:full])
+                self.alloc.free([req.pages[i] for i in dups if i >= own_start])
+            else:
+                present = self.cache.insert(tokens, req.pages[:full])
+                # Pages [cached, present) are duplicates of what others cached meanwhile.
+                self.alloc.free(req.pages[own_start:present])
             self.alloc.free(req.pages[full:])
             self.cache.unlock(req.cache_node)
         else:
             self.alloc.free(req.pages)
         self.req_pool.free(req.slot)
         req.slot, req.pages, req.cache_node = None, [], None
+        req.load_op, req.load_pages = 0, range(0)
         req.cached_len = req.kv_len = 0
 
     # -- accounting ---------------------------------------------------------------
@@ -101,10 +157,30 @@ class KVManager:
             "evictable_pages": self.cache.evictable_pages if self.cache else 0,
             "total_slots": self.req_pool.size,
             "free_slots": self.req_pool.num_free,
+            **self._host_stats(),
         }
+
+    def _host_stats(self) -> dict[str, int]:
+        if self.host_pool is None:
+            return {}
+        out = {"host_total_pages": self.host_pool.num_pages,
+               "host_free_pages": self.host_pool.allocator.num_free,
+               "host_cached_pages": self.hi.host_total_pages if self.hi else 0}
+        if self.hi is not None:
+            out.update(self.hi.stats)
+        if self.ctrl is not None:
+            out.update({k: v for k, v in self.ctrl.stats.items() if k.endswith(("ops", "bytes"))})
+        return out
+
+    def drain_copies(self) -> None:
+        """Wait for every submitted HiCache copy and acknowledge it (idle engine only)."""
+        if self.hi is not None:
+            self.ctrl.wait(self.ctrl._next_id)
+            self.hi.check_acks()
 
     def idle_is_full(self) -> bool:
         s = self.stats()
         return (s["free_pages"] + s["evictable_pages"] == s["total_pages"]
                 and s["free_slots"] == s["total_slots"]
-                and (self.cache is None or self.cache.locked_pages == 0))
+                and (self.cache is None or self.cache.locked_pages == 0)
+                and (self.hi is None or not self.hi._pending))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import time
+from collections import deque
+
 import torch
 
 from pdserve.engine.batch import Batch
@@ -13,16 +17,27 @@ from pdserve.models.llama import AttnMeta, CausalLM
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, future_map: FutureMap,
-                 sampler: Sampler, device: torch.device) -> None:
+                 sampler: Sampler, device: torch.device, hicache=None) -> None:
+        self.hicache = hicache  # HiCacheController or None
+        # (batch seq, start, end) of recent forwards (perf_counter): lets tests check that a
+        # HiCache load overlapped a forward (docs/architecture.md: HiCache).
+        self.timeline: deque[tuple[int, float, float]] = deque(maxlen=1024)
         self.model = model
         self.kv_pool = kv_pool
         self.future_map = future_map
         self.sampler = sampler
         self.device = device
 
-    @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """Forward + sample; returns sampled token ids [R] on the device."""
+        t0 = time.perf_counter()
+        try:
+            return self._run(batch)
+        finally:
+            self.timeline.append((batch.seq, t0, time.perf_counter()))
+
+    @torch.inference_mode()
+    def _run(self, batch: Batch) -> torch.Tensor:
         t = batch.packed.to_device(self.device)
         b, lq = t["q_pos"].shape
         ps = self.kv_pool.page_size
@@ -35,6 +50,8 @@ class ModelRunner:
         meta = AttnMeta(
             out_cache_loc=t["out_cache_loc"], kv_pages=t["kv_pages"], mask=mask,
             q_index=None if uniform else t["q_index"], batch=b, max_q=lq, page_size=ps,
+            layer_wait=functools.partial(self._wait_layer, op_id=batch.load_barrier)
+            if batch.load_barrier else None,
         )
         input_ids = self.future_map.resolve(t["input_ids"])
         if t["logit_rows"].numel() == 0:  # a middle chunk only: nothing to sample
@@ -45,3 +62,6 @@ class ModelRunner:
             t["temperature"], t["top_p"], t["top_k"], list(batch.generators), batch.all_greedy))
         self.future_map.store(t["future_ids"], tokens)
         return tokens
+
+    def _wait_layer(self, layer: int, op_id: int) -> None:
+        self.hicache.wait_layer(layer, op_id)

@@ -39,6 +39,8 @@ class Req:
         self.cache_node = None
         self.cached_len = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (reported)
+        self.load_op = 0  # HiCache load of part of its cached prefix; 0 = none
+        self.load_pages: range = range(0)  # indices into `pages` that load writes
         self.kv_len = 0
         self.fill_ids: list[int] = []
         self.launched_outputs = 0

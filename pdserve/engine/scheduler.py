@@ -56,6 +56,7 @@ class Scheduler:
 
     # -- batch selection ----------------------------------------------------------------
     def next_batch(self, in_flight: bool) -> Batch | str | None:
+        self.kv.check_acks()  # HiCache copies done since the last step unlock their nodes
         rows = self._extend_rows()
         if rows:
             return self._launchable("extend", rows)
@@ -74,7 +75,7 @@ class Scheduler:
 
     def _launchable(self, kind: str, rows: list[Row]) -> Batch:
         self.seq += 1
-        batch = Batch(self.seq, kind, tuple(rows))
+        batch = Batch(self.seq, kind, tuple(rows), load_barrier=self.kv.load_barrier())
         pack_batch(batch, self.kv.req_pool.table, self.staging, self.kv.page_size)
         if kind == "extend":
             self.role.on_extend_scheduled(batch)

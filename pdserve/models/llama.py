@@ -17,6 +17,7 @@ Lk = gathered context (pages x page_size), H / Hkv = query / KV heads, D = head 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,9 @@ class AttnMeta:
     batch: int
     max_q: int
     page_size: int
+    # HiCache: called with the layer id before the layer touches the pool, so a forward
+    # waits only for the layers of a pending host->device load it is about to read.
+    layer_wait: Callable[[int], None] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -88,6 +92,8 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :h], qk[:, h:]
+        if meta.layer_wait is not None:
+            meta.layer_wait(self.layer_id)
         k_buf, v_buf = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
         k_buf.index_copy_(0, meta.out_cache_loc, k)
         v_buf.index_copy_(0, meta.out_cache_loc, v)

@@ -88,6 +88,7 @@ class Stats:
     retractions: int
     generated_tokens: int
     role: dict = field(default_factory=dict)  # role queues and transfer counters
+    hicache: dict = field(default_factory=dict)  # host KV tier (empty when HiCache is off)
 
 
 MESSAGES = {cls.__name__: cls for cls in (

@@ -40,6 +40,29 @@ class _SchedulerCollector:
         yield CounterMetricFamily("pdserve_retractions", "requests retracted under KV pressure",
                                   value=s.retractions)
         yield from _role_metrics(s.role)
+        yield from _hicache_metrics(getattr(s, "hicache", None))
+
+
+def _hicache_metrics(h: dict | None):
+    """HiCache host tier (docs/architecture.md: HiCache): pages, hits, copies, evictions."""
+    if not h:
+        return
+    yield GaugeMetricFamily("pdserve_hicache_host_total_pages", "host KV tier pages",
+                            value=h["host_total_pages"])
+    yield GaugeMetricFamily("pdserve_hicache_host_used_pages", "host KV tier pages in use",
+                            value=h["host_used_pages"])
+    for key, doc in (("host_hit_tokens", "prompt tokens loaded back from the host tier"),
+                     ("backup_bytes", "bytes copied device -> host"),
+                     ("load_bytes", "bytes copied host -> device"),
+                     ("backup_ops", "device -> host copies"), ("load_ops", "host -> device loads"),
+                     ("backup_seconds", "copy-thread seconds spent on backups"),
+                     ("load_seconds", "copy-thread seconds spent on loads")):
+        yield CounterMetricFamily(f"pdserve_hicache_{key}", doc, value=h.get(key, 0))
+    ev = CounterMetricFamily("pdserve_hicache_evictions", "radix nodes evicted per tier",
+                             labels=["tier"])
+    ev.add_metric(["device"], h.get("device_evictions", 0))
+    ev.add_metric(["host"], h.get("host_evictions", 0))
+    yield ev
 
 
 def _role_metrics(role: dict):

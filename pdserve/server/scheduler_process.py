@@ -146,6 +146,7 @@ class SchedulerService:
             overlap_disabled=dict(e.loop.stats.overlap_disabled),
             retractions=e.sched.num_retractions, generated_tokens=e.out.generated_tokens,
             role=_str_keys(e.role.stats()),
+            hicache=e.hicache_stats(),
         )
 
 

@@ -1,0 +1,67 @@
+"""HiCache flags: bad values are a clear CLI error with exit != 0; the host tier's numbers
+reach the node's /metrics rendering and the /server_info stats message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.config import EngineConfig
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hicache-ratio", "0"], "hicache_ratio must be > 0"),
+    (["--hicache-ratio", "-1.5"], "hicache_ratio must be > 0"),
+    (["--hicache-write-policy", "write_sometimes"], "hicache_write_policy must be one of"),
+    (["--hicache-size", "1000000"], "does not fit this machine's memory"),
+])
+def test_bad_hicache_flags_exit_nonzero(flags, message):
+    cmd = [sys.executable, "-m", "pdserve.cli", "generate", "--model", "tiny-llama",
+           "--enable-hierarchical-cache", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+
+
+def test_flags_in_help_and_config():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--help"],
+                         capture_output=True, text=True, timeout=120).stdout
+    for flag in ("--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
+                 "--hicache-write-policy"):
+        assert flag in out
+    cfg = EngineConfig(enable_hierarchical_cache=True, hicache_ratio=0.5,
+                       hicache_write_policy="write_back")
+    assert cfg.hicache_ratio == 0.5
+
+
+def test_hicache_metrics_render():
+    from pdserve import LLM, SamplingParams
+    from pdserve.server import messages as m
+    from pdserve.server.metrics import Metrics
+
+    llm = LLM("tiny-llama", max_total_tokens=256, enable_hierarchical_cache=True,
+              hicache_ratio=3)
+    try:
+        doc = list(range(200, 300))
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        llm.generate([doc + [1]], params)
+        assert llm.engine.pools_full()
+        llm.engine.kv.cache.evict(llm.engine.kv.cache.total_pages)
+        llm.generate([doc + [2]], params)
+        h = llm.engine.hicache_stats()
+        assert h["host_total_pages"] == 3 * llm.engine.kv_pool.num_pages
+        assert h["host_hit_tokens"] >= 96 and h["load_bytes"] > 0 and h["backup_bytes"] > 0
+        assert h["device_evictions"] > 0
+        stats = m.decode(m.encode(m.Stats(0, 0, 0.0, 0.0, 1, 1, 1, 1, True, {}, 0, 0,
+                                          hicache=h)))
+        text = Metrics(lambda: stats).render().decode()
+        for name in ("pdserve_hicache_host_total_pages", "pdserve_hicache_host_used_pages",
+                     "pdserve_hicache_host_hit_tokens_total", "pdserve_hicache_load_bytes_total",
+                     "pdserve_hicache_backup_bytes_total",
+                     'pdserve_hicache_evictions_total{tier="device"}'):
+            assert name in text, name
+    finally:
+        llm.close()
