@@ -51,7 +51,9 @@ class KVManager:
         req.pages, req.cached_len, req.kv_len = [], 0, 0
         if self.cache is not None:
             # Keep at least one token to compute: its logits give the next token.
-            pages, node = self.cache.match_prefix(req.fill_ids[: len(req.fill_ids) - 1])
+            # Prompt logprobs need every prompt position's logits: reuse nothing then.
+            usable = 0 if req.wants_prompt_logprobs() else len(req.fill_ids) - 1
+            pages, node = self.cache.match_prefix(req.fill_ids[:usable])
             self.cache.lock(node)
             req.cache_node, req.pages = node, list(pages)
             req.cached_len = req.kv_len = len(pages) * self.page_size
