@@ -47,13 +47,16 @@ class Dispatcher:
         self.on_leg, self.on_retry = on_leg, on_retry
         self.rng = random.Random()
 
-    async def open(self, ids: list[int], sampling: dict, rid: str) -> Opened:
+    async def open(self, ids: list[int], sampling: dict, rid: str,
+                   extra: dict | None = None) -> Opened:
+        """`extra`: more /generate fields for both legs (SGLang's logprob fields)."""
         excluded: set[str] = set()
         last: LegError | None = None
         for attempt in range(self.cfg.dispatch_attempts):
             prefill, decode = await self.pick(ids, excluded, last)
             body = {"input_ids": ids, "sampling_params": sampling,
-                    "rid": f"{rid}-{attempt}", "bootstrap_room": secrets.randbits(63)}
+                    "rid": f"{rid}-{attempt}", "bootstrap_room": secrets.randbits(63),
+                    **(extra or {})}
             legs = Legs(self.http, prefill, decode, body, self.on_leg)
             legs.start()
             try:

@@ -15,13 +15,17 @@ from pdserve.router.dispatch import Dispatcher, Opened
 from pdserve.router.events import DONE, Event, StreamFormatError, to_event
 from pdserve.router.legs import LegError
 from pdserve.router.metrics import RouterMetrics
+from pdserve.server.logprob_format import merge_prefill
 from pdserve.server.protocol import ApiError
 
 
 class Flow:
     def __init__(self, rid: str, ids: list[int], sampling: dict, admission: Admission,
-                 dispatcher: Dispatcher, metrics: RouterMetrics, timeout_s: float) -> None:
+                 dispatcher: Dispatcher, metrics: RouterMetrics, timeout_s: float,
+                 extra: dict | None = None) -> None:
         self.rid, self.ids, self.sampling = rid, ids, sampling
+        self.extra = extra or {}  # SGLang logprob fields for both legs
+        self._prefill_meta: dict | None = None
         self.admission, self.dispatcher, self.metrics = admission, dispatcher, metrics
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + timeout_s
@@ -39,7 +43,7 @@ class Flow:
             await self._bounded(self.admission.acquire())
             self._slot = True
             self.opened = await self._bounded(self.dispatcher.open(self.ids, self.sampling,
-                                                                   self.rid))
+                                                                   self.rid, self.extra))
         except ApiError as exc:
             self.outcome = str(exc.code or exc.status)
             self.close()
@@ -64,6 +68,8 @@ class Flow:
         item = self.opened.first
         try:
             while item != DONE:
+                if self.opened.legs.prefill_answer is not None:
+                    item = await self._with_prefill_logprobs(item)
                 event = to_event(self.rid, item, self.last)
                 self._observe(event)
                 self.last = event
@@ -90,6 +96,17 @@ class Flow:
             return
         self.outcome = self.last.finish_reason or "unknown"
         self._observe_end()
+
+    async def _with_prefill_logprobs(self, obj: dict) -> dict:
+        """The decode event with the prompt's and the first token's logprobs, which the
+        prefill node computed (its answer trails the KV it sent only by a little)."""
+        if self._prefill_meta is None:
+            self._prefill_meta = await self._bounded(
+                asyncio.shield(self.opened.legs.prefill_answer))
+        meta = obj.get("meta_info")
+        if not isinstance(meta, dict):
+            return obj
+        return {**obj, "meta_info": merge_prefill(meta, self._prefill_meta)}
 
     async def _bounded(self, awaitable):
         remaining = self.deadline - time.perf_counter()

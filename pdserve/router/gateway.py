@@ -78,9 +78,10 @@ class Gateway:
                            "no_tokenizer") from exc
         return self._tokenizer
 
-    def flow(self, rid: str, ids: list[int], sampling: dict) -> Flow:
+    def flow(self, rid: str, ids: list[int], sampling: dict, extra: dict | None = None
+             ) -> Flow:
         return Flow(rid, ids, sampling, self.admission, self.dispatcher, self.metrics,
-                    self.cfg.request_timeout_s)
+                    self.cfg.request_timeout_s, extra)
 
     def _on_leg(self, node: NodeState, outcome: str) -> None:
         node.counts[outcome] = node.counts.get(outcome, 0) + 1
