@@ -22,6 +22,9 @@ class SamplingParams:
     # plus its k best alternatives (0..20).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Put the prompt's pages into the prefix cache as soon as they are computed, so
+    # requests sent after this one's first token reuse them (choice 0 of n choices).
+    cache_prompt: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.server.choices import last_events, merge
+from pdserve.server.choices import last_events, merge, start_all
 from pdserve.server.frontend import Frontend
 from pdserve.server.logprob_format import TokenText, sglang_meta
 from pdserve.server.openai_format import final_response, openai_stream
@@ -149,19 +149,15 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         plan = make_plan(body, ids, kind, model, default, front.context_length,
                          front.cfg.truncate_max_tokens, token_text)
         if body.stream:
-            streams = []
-            try:
-                for sp in plan.samplings:
-                    streams.append(await _started(front.run(ids, sp)))
-            except BaseException:
-                for st in streams:  # choices already admitted: abort them
-                    await st.aclose()
-                raise
+            streams = await start_all([front.run(ids, sp) for sp in plan.samplings], _started)
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(openai_stream(merge(streams), plan.shape, usage),
                                      media_type="text/event-stream")
-        lasts = await last_events([front.run(ids, sp, disconnected=request.is_disconnected)
-                                   for sp in plan.samplings])
+        streams = [front.run(ids, sp, disconnected=request.is_disconnected)
+                   for sp in plan.samplings]
+        if len(streams) > 1:
+            streams = await start_all(streams, _started)
+        lasts = await last_events(streams)
         if any(ev is None for ev in lasts):
             return error_response(499, "client disconnected")
         return final_response(plan.shape, lasts)

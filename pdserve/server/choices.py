@@ -17,6 +17,25 @@ from pdserve.server.protocol import ApiError
 _END = object()
 
 
+async def start_all(streams: list[AsyncIterator], started) -> list[AsyncIterator]:
+    """Start choice 0 and wait for its first event (its prompt is computed and, asked with
+    `cache_prompt`, in the prefix cache), then the others together: they reuse its prompt
+    pages instead of each computing the prompt. `started` pulls a stream's first event
+    (admission errors stay HTTP statuses); on any failure every started choice is closed."""
+    first = [await started(streams[0])]
+    tasks = [asyncio.ensure_future(started(s)) for s in streams[1:]]
+    try:
+        return first + list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        ok = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+        for s in first + ok:
+            await s.aclose()
+        raise
+
+
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
     if len(streams) == 1:  # the common case: no tasks, no queue
         async for ev in streams[0]:

@@ -36,6 +36,8 @@ def make_plan(body, ids: list[int], kind: str, model: str, default_max: int, con
             sp["logprobs"] = k
             sp["prompt_logprobs"] = k if prompt_lp else None
         samplings.append(sp)
+    if body.n > 1:  # the others reuse its prompt pages (see choices.start_all)
+        samplings[0]["cache_prompt"] = True
     shape = Shape(kind, model, int(time.time()), k, token_text=token_text)
     if kind == "text_completion" and body.echo:
         p = body.prompt_input()
@@ -48,6 +50,7 @@ def sglang_fields(sampling: dict) -> tuple[dict, dict]:
     """Split a choice's sampling fields into /generate `sampling_params` and the SGLang
     top-level logprob fields (the router's legs speak /generate)."""
     sp = dict(sampling)
+    sp.pop("cache_prompt", None)  # the router starts choice 0 first anyway
     k, prompt = sp.pop("logprobs", None), sp.pop("prompt_logprobs", None)
     if k is None:
         return sp, {}

@@ -140,3 +140,26 @@ def test_smollm2_logprobs_match_transformers():
               SamplingParams(max_new_tokens=10, temperature=0.7, seed=1, logprobs=20)]
     for out, p in zip(llm.generate(prompts, params), params, strict=True):
         check_output(SMOLLM, out, p.logprobs, p.prompt_logprobs)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "normal"])
+def test_cache_prompt_shares_the_prompt_with_later_choices(loop):
+    """n > 1: choice 0 puts its prompt pages into the cache once computed (while it keeps
+    running); choices sent after its first token reuse them and sample the same."""
+    llm = get_llm("tiny-llama", loop=loop, page_size=4)
+    eng = llm.engine
+    prompt = random_prompt(37, seed=4242)  # 9 whole pages and one partial
+    p = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    first = eng.add_request("choice-0", prompt, SamplingParams(**{**vars(p),
+                                                                  "cache_prompt": True}))
+    while not first.output_ids:
+        eng.step()
+    assert first.cached_len == 36 and not first.finished  # its prompt pages are shared now
+    rest = [eng.add_request(f"choice-{i}", prompt, SamplingParams(**vars(p))) for i in (1, 2)]
+    while eng.has_work():
+        eng.step()
+    eng.loop.drain()
+    assert [r.cached_tokens for r in rest] == [36, 36]
+    assert rest[0].output_ids == rest[1].output_ids == first.output_ids
+    assert all(abs(a[0] - b[0]) < TOL for a, b in zip(
+        rest[0].output_logprobs, first.output_logprobs, strict=True))
