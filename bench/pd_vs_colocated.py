@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,12 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
 
 from pdserve.cli import main as pdserve_main  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], url: str, log: Path, timeout_s: float = 900) -> subprocess.Popen:

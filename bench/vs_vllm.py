@@ -40,7 +40,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from pdserve.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
@@ -60,11 +61,6 @@ _LIVE: list[subprocess.Popen] = []  # servers to stop whatever happens
 
 
 # ---- servers --------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:

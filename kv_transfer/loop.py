@@ -45,11 +45,6 @@ class ControlLoop:
         self._sockets[sock] = handler
         self._poller.register(sock, zmq.POLLIN)
 
-    def remove_socket(self, sock: zmq.Socket) -> None:
-        self._sockets.pop(sock, None)
-        self._poller.unregister(sock)
-        sock.close(0)
-
     def post(self, fn: Callable[[], None]) -> None:
         """Run fn on the control thread soon; callable from any thread."""
         with self._post_lock:

@@ -115,7 +115,12 @@ class KVManager:
         }
 
     def metrics(self) -> dict[str, Any]:
-        return self.stats.snapshot()
+        """Counters, plus `live_rooms`: rooms the control thread still tracks (0 once every
+        request has ended, whatever the failures; len() of its dict is safe to read from
+        another thread)."""
+        control = self._prefill if self._prefill is not None else self._decode
+        live = len(control._rooms) if control is not None else 0  # noqa: SLF001
+        return {**self.stats.snapshot(), "live_rooms": live}
 
     # ---- engine access (prefill) ----------------------------------------------------------
 

@@ -31,13 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and name.startswith(exc.name):  # subcommand not built yet
-                continue
-            raise
-        module.add_parser(sub)
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 

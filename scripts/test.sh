@@ -25,3 +25,9 @@ fi
 
 ruff check .
 python -m pytest -q "$@"
+if [ "$#" -eq 0 ]; then
+    # The router/stack tests run over tcp above; their API part runs again over Mooncake,
+    # the product's default transfer backend (tests/router/router_harness.py: BACKEND).
+    PDSERVE_TEST_TRANSFER_BACKEND=mooncake python -m pytest -q -p no:cacheprovider \
+        tests/router/test_router_api.py
+fi

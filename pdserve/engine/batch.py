@@ -40,10 +40,6 @@ class Batch:
     def sampled_rows(self) -> list[Row]:
         return [r for r in self.rows if r.future_id]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.q_len for r in self.rows)
-
 
 def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_size: int) -> None:
     """Fill `batch.packed` from the rows (scheduler thread). `table` is req->token slots."""

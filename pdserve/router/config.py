@@ -37,6 +37,9 @@ class RouterConfig:
     connect_timeout_s: float = _opt(5.0, "TCP connect limit towards a node")
     dispatch_attempts: int = _opt(3, "node pairs tried when a node cannot be reached or "
                                      "refuses before any output (429/503)")
+    migration_limit: int = _opt(3, "times one request may move to a new node pair when its "
+                                   "decode node dies mid-stream (0: end the stream with an "
+                                   "error instead)")
     breaker_failures: int = _opt(3, "consecutive failures that open a node's circuit breaker "
                                     "(a refused connection opens it at once)")
     breaker_cooldown_s: float = _opt(2.0, "first pause of an open breaker before one trial "
@@ -78,8 +81,9 @@ class RouterConfig:
         for flag, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
-        if self.max_queued_requests < 0 or self.prefix_pages < 0:
-            raise ValueError("--max-queued-requests and --prefix-pages must be >= 0")
+        if self.max_queued_requests < 0 or self.prefix_pages < 0 or self.migration_limit < 0:
+            raise ValueError("--max-queued-requests, --prefix-pages and --migration-limit "
+                             "must be >= 0")
         if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
             raise ValueError("--breaker-max-cooldown-s must be >= --breaker-cooldown-s")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:

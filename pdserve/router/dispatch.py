@@ -48,9 +48,11 @@ class Dispatcher:
         self.rng = random.Random()
 
     async def open(self, ids: list[int], sampling: dict, rid: str,
+                   exclude: set[str] | frozenset[str] = frozenset(),
                    extra: dict | None = None) -> Opened:
-        """`extra`: more /generate fields for both legs (SGLang's logprob fields)."""
-        excluded: set[str] = set()
+        """`exclude`: nodes to avoid while another is usable (a migration's dead node).
+        `extra`: more /generate fields for both legs (SGLang's logprob fields)."""
+        excluded: set[str] = set(exclude)
         last: LegError | None = None
         for attempt in range(self.cfg.dispatch_attempts):
             prefill, decode = await self.pick(ids, excluded, last)

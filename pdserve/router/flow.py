@@ -1,5 +1,6 @@
 """One client request through the router: a queue slot, a dispatched pair, the decode
-leg's events as `Event`s, router-side latency metrics, and a `close()` that is safe to
+leg's events as `Event`s, router-side latency metrics, migration to a new pair when the
+decode node dies mid-stream (pdserve.router.migration), and a `close()` that is safe to
 call from anywhere (twice, or under cancellation) and always frees the slot and stops
 both legs.
 """
@@ -9,21 +10,35 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher, Opened
 from pdserve.router.events import DONE, Event, StreamFormatError, to_event
 from pdserve.router.legs import LegError
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import Stitcher, continuation, is_decode_death
 from pdserve.server.logprob_format import merge_prefill
 from pdserve.server.protocol import ApiError
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What a flow needs to migrate: how often, and the tokenizer to re-derive text."""
+
+    limit: int
+    tokenizer: object | None  # a transformers tokenizer; None: never migrate
 
 
 class Flow:
     def __init__(self, rid: str, ids: list[int], sampling: dict, admission: Admission,
                  dispatcher: Dispatcher, metrics: RouterMetrics, timeout_s: float,
-                 extra: dict | None = None) -> None:
+                 migration: Migration = Migration(0, None), extra: dict | None = None
+                 ) -> None:
         self.rid, self.ids, self.sampling = rid, ids, sampling
+        self.migration = migration
+        self.migrations = 0
+        self.stitcher: Stitcher | None = None
         self.extra = extra or {}  # SGLang logprob fields for both legs
         self._prefill_meta: dict | None = None
         self.admission, self.dispatcher, self.metrics = admission, dispatcher, metrics
@@ -43,7 +58,7 @@ class Flow:
             await self._bounded(self.admission.acquire())
             self._slot = True
             self.opened = await self._bounded(self.dispatcher.open(self.ids, self.sampling,
-                                                                   self.rid, self.extra))
+                                                                   self.rid, extra=self.extra))
         except ApiError as exc:
             self.outcome = str(exc.code or exc.status)
             self.close()
@@ -66,29 +81,38 @@ class Flow:
         (the caller has sent its 200 header by then and reports it in-band)."""
         assert self.opened is not None
         item = self.opened.first
-        try:
-            while item != DONE:
-                if self.opened.legs.prefill_answer is not None:
-                    item = await self._with_prefill_logprobs(item)
-                event = to_event(self.rid, item, self.last)
-                self._observe(event)
-                self.last = event
-                yield event
-                item = await self._bounded(self.opened.legs.next())
-        except (LegError, StreamFormatError) as exc:
-            err = exc.api_error() if isinstance(exc, LegError) else ApiError(503, str(exc))
-            self.outcome = str(err.code or err.status)
-            yield err
-            return
-        except ApiError as exc:  # the request timeout
-            self.outcome = str(exc.code or exc.status)
-            yield exc
-            return
-        except Exception as exc:  # a bug must still end the stream with a clear error
-            self.outcome = "router_error"
-            yield ApiError(502, f"the router failed relaying the decode stream: "
-                                f"{type(exc).__name__}: {exc}", "router_error")
-            return
+        while True:
+            try:
+                while item != DONE:
+                    if self.opened.legs.prefill_answer is not None:
+                        item = await self._with_prefill_logprobs(item)
+                    event = to_event(self.rid, item, None if self.stitcher else self.last)
+                    cut = False
+                    if self.stitcher is not None:
+                        raw_finish = event.finish_reason
+                        event = self.stitcher.stitch(event)
+                        cut = raw_finish is None and event.finish_reason is not None
+                    self._observe(event)
+                    self.last = event
+                    yield event
+                    if cut:
+                        break  # a stop string across the migration point ends it here
+                    item = await self._bounded(self.opened.legs.next())
+                break
+            except (LegError, StreamFormatError) as exc:
+                item = await self._migrate(exc)
+                if isinstance(item, ApiError):
+                    yield item
+                    return
+            except ApiError as exc:  # the request timeout
+                self.outcome = str(exc.code or exc.status)
+                yield exc
+                return
+            except Exception as exc:  # a bug must still end the stream with a clear error
+                self.outcome = "router_error"
+                yield ApiError(502, f"the router failed relaying the decode stream: "
+                                    f"{type(exc).__name__}: {exc}", "router_error")
+                return
         if self.last is None:
             self.outcome = "empty"
             yield ApiError(503, f"decode node {self.opened.decode.node_id} ended the "
@@ -107,6 +131,42 @@ class Flow:
         if not isinstance(meta, dict):
             return obj
         return {**obj, "meta_info": merge_prefill(meta, self._prefill_meta)}
+
+    async def _migrate(self, exc: LegError | StreamFormatError) -> dict | str | ApiError:
+        """Continue on a new pair after the decode node died (the continuation's first
+        event), or the error that ends the stream."""
+        assert self.opened is not None
+        err = exc.api_error() if isinstance(exc, LegError) else ApiError(503, str(exc))
+        dead = self.opened.decode.node_id
+        last, m = self.last, self.migration
+        if last is not None and last.finish_reason is not None:
+            return DONE  # everything reached the client; only the [DONE] was lost
+        if self.extra:  # logprob requests are not migrated (their entries would not line up)
+            self.outcome = str(err.code or err.status)
+            return err
+        if not (is_decode_death(exc, dead) and last is not None and m.tokenizer is not None):
+            self.outcome = str(err.code or err.status)
+            return err
+        if self.migrations >= m.limit:
+            self.metrics.migrations.labels("limit").inc()
+            self.outcome = str(err.code or err.status)
+            return ApiError(err.status, f"{err.message} (not migrated: --migration-limit "
+                                        f"{m.limit} reached)", err.code)
+        self.migrations += 1
+        self.opened.legs.cancel()
+        ids, sampling = continuation(self.ids, self.sampling, last)
+        try:
+            self.opened = await self._bounded(self.dispatcher.open(
+                ids, sampling, f"{self.rid}-m{self.migrations}", exclude={dead}))
+        except ApiError as again:
+            self.metrics.migrations.labels("failed").inc()
+            self.outcome = str(again.code or again.status)
+            return ApiError(again.status, f"{err.message}; migrating the request failed: "
+                                          f"{again.message}", again.code)
+        self.metrics.migrations.labels("ok").inc()
+        stop = self.sampling.get("stop") or []
+        self.stitcher = Stitcher(last, m.tokenizer, [stop] if isinstance(stop, str) else stop)
+        return self.opened.first
 
     async def _bounded(self, awaitable):
         remaining = self.deadline - time.perf_counter()

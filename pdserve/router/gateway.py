@@ -14,7 +14,7 @@ import httpx
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
-from pdserve.router.flow import Flow
+from pdserve.router.flow import Flow, Migration
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.tokenizer import RouterTokenizer
@@ -80,8 +80,10 @@ class Gateway:
 
     def flow(self, rid: str, ids: list[int], sampling: dict, extra: dict | None = None
              ) -> Flow:
+        tok = self._tokenizer.tok if self._tokenizer is not None else None
         return Flow(rid, ids, sampling, self.admission, self.dispatcher, self.metrics,
-                    self.cfg.request_timeout_s, extra)
+                    self.cfg.request_timeout_s, Migration(self.cfg.migration_limit, tok),
+                    extra)
 
     def _on_leg(self, node: NodeState, outcome: str) -> None:
         node.counts[outcome] = node.counts.get(outcome, 0) + 1

@@ -66,6 +66,10 @@ class RouterMetrics:
                             "legs sent to each node, by outcome (ok, error, refused, "
                             "unreachable, cancelled)", ["node_id", "role", "outcome"],
                             registry=r)
+        self.migrations = Counter("pdserve_router_migrations",
+                                  "requests moved to a new pair after their decode node died "
+                                  "mid-stream, by outcome (ok, failed, limit)", ["outcome"],
+                                  registry=r)
         self.retries = Counter("pdserve_router_retries",
                                "dispatch attempts abandoned for another node pair", registry=r)
 

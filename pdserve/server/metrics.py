@@ -59,6 +59,10 @@ def _role_metrics(role: dict):
         if key in t:
             yield CounterMetricFamily(f"pdserve_kv_transfer_{key}", f"KV transfer {key}",
                                       value=t[key])
+    if "live_rooms" in t:
+        yield GaugeMetricFamily("pdserve_kv_transfer_live_rooms",
+                                "transfer rooms still tracked (0 when idle)",
+                                value=t["live_rooms"])
     lat = t.get("latency_s")
     if lat:
         # kv_transfer's bucket counts are already cumulative (le semantics).

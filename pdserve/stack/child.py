@@ -88,15 +88,20 @@ class Child:
     def _group_alive(self) -> bool:
         """Does any live (non-zombie) process remain in the child's process group?"""
         assert self.proc is not None
-        pgid = self.proc.pid  # start_new_session: the child leads its own group
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = Path(entry.path, "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-        return False
+        return bool(group_alive(self.proc.pid))  # start_new_session: it leads its group
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group (Linux /proc)."""
+    alive = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry.name))
+    return alive

@@ -10,9 +10,9 @@ import time
 
 import httpx
 
+from pdserve.ports import PortInUse
 from pdserve.stack.config import DemoConfig
 from pdserve.stack.lifecycle import Stop, stop_on_signals
-from pdserve.stack.ports import PortInUse
 from pdserve.stack.stack import Stack, StackError
 from pdserve.stack.up import print_urls, say
 

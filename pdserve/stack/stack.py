@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import check_port_free, free_port
 from pdserve.stack.child import Child
 from pdserve.stack.config import StackConfig
-from pdserve.stack.ports import check_port_free, free_port
 
 LOOPBACK = "127.0.0.1"
 PORT_RETRIES = 3

@@ -7,9 +7,9 @@ from __future__ import annotations
 import sys
 import time
 
+from pdserve.ports import PortInUse
 from pdserve.stack.config import StackConfig
 from pdserve.stack.lifecycle import Stop, stop_on_signals
-from pdserve.stack.ports import PortInUse
 from pdserve.stack.stack import Stack, StackError
 
 ESSENTIAL = ("router", "registry")

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 import httpx
 import redis
 
+from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("PDSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 TOKEN = "test-token-Zq8"
@@ -187,12 +189,6 @@ def store_args(store: str, prefix: RedisPrefix | None) -> list[str]:
         return ["--store", "memory"]
     assert prefix is not None
     return ["--store", prefix.url, "--key-prefix", prefix.prefix]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_record(node_id: str | None = None, **overrides: Any) -> dict[str, Any]:

@@ -18,8 +18,9 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     prefill, decode = start_nodes(("prefill", backend, FAST), ("decode", backend, FAST))
     yield Pair(backend, prefill, decode)
     results = [prefill.close(), decode.close()]
-    # Every manager's threads (control, transfer, tcp server) must have stopped.
-    assert all(all(r.values()) for r in results), results
+    # Both nodes were alive and closed, and every manager's threads (control, transfer,
+    # tcp server) stopped; an empty or failed close fails here.
+    assert all(r and all(r.values()) for r in results), results
 
 
 @pytest.fixture(autouse=True)

@@ -338,12 +338,15 @@ class Node:
         self.proc.join(10)
 
     def close(self) -> dict[str, bool]:
-        result: dict[str, bool] = {}
+        """Each manager's "threads stopped" flag; a failed close is reported as
+        `{"close": False, ...}` (never an empty dict a caller could read as success) and a
+        node that was already dead as `{"alive": False}`."""
+        result: dict[str, bool] = {"alive": False}
         if self.proc.is_alive():
             try:
                 result = self.call("close", timeout=30)
-            except (TimeoutError, RuntimeError, OSError, EOFError):
-                pass
+            except (TimeoutError, RuntimeError, OSError, EOFError) as exc:
+                result = {"close": False, f"close failed: {exc!r}": False}
             self.proc.join(10)
             if self.proc.is_alive():
                 self.kill9()

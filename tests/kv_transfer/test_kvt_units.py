@@ -139,8 +139,12 @@ def test_import_does_not_pull_torch_or_mooncake() -> None:
 def test_mooncake_env_comes_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from kv_transfer.backends.mooncake import set_mooncake_env
 
-    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
-    monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    for name in ("MC_TRANSFER_TIMEOUT", "MC_LOG_LEVEL"):
+        # setenv first, so monkeypatch records the variable and removes what
+        # set_mooncake_env writes when the test ends (a bare delenv of an absent variable
+        # records nothing, and the value would leak into later tests).
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     set_mooncake_env(KVTransferConfig(transfer_timeout_s=12.5))
     assert os.environ["MC_TRANSFER_TIMEOUT"] == "13"
     assert os.environ["MC_LOG_LEVEL"] == "ERROR"

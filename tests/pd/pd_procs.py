@@ -10,7 +10,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,15 +19,11 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240  # several nodes start at once on a small machine
 _PORT_LINE = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -152,15 +147,17 @@ class Node(Proc):
         return out
 
     def wait_pools_full(self, timeout: float = 10) -> dict:
-        """/server_info until KV pages, request slots and metadata slots are back to full and
-        no request is open (stats refresh every 0.25 s)."""
+        """/server_info until KV pages, request slots and metadata slots are back to full,
+        no request is open and the transfer layer tracks no room (stats refresh every
+        0.25 s)."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.info()
             s = info["stats"]
             if s and s["pools_full"] and not info["open_requests"] and not s["running"] \
                     and not s["waiting"] and not any(
-                        v for k, v in s["role"].items() if k.endswith("_queue")):
+                        v for k, v in s["role"].items() if k.endswith("_queue")) \
+                    and not s["role"].get("transfer", {}).get("live_rooms"):
                 return s
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name}: pools not back to full after {timeout}s: "

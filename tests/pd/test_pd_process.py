@@ -181,3 +181,37 @@ def test_kill9_prefill_mid_transfer(stack, backend):
     assert stats["role"]["transfer"]["rooms_failed"] > failed_before
     assert decode.metrics()["pdserve_kv_transfer_rooms_failed_total"] > failed_before
     assert decode.alive and decode.info()["stats"] is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill9_decode_mid_transfer(stack, backend):
+    """kill -9 of the decode node while the prefill node is writing its KV: every
+    unfinished prefill leg ends with a clear error within the heartbeat bound, and the
+    prefill node's KV pages, request slots, metadata rows and transfer rooms all come
+    back."""
+    prefill, decode = stack.node("prefill", backend), stack.node("decode", backend)
+    prompts = [random_prompt(1800, seed=5200 + i) for i in range(8)]
+    reqs = [PDRequest(prefill, decode, p, GREEDY).start() for p in prompts]
+    # Wait until the prefill has requests whose chunks are being sent (inflight queue).
+    deadline = time.monotonic() + 60
+    while prefill.stats().get("role", {}).get("inflight_queue", 0) < 1:
+        assert time.monotonic() < deadline, prefill.info()
+        time.sleep(0.05)
+    decode.kill9()
+    t_kill = time.monotonic()
+    for r in reqs:
+        r.join(KILL_BOUND_S + 30)
+    failed = [r for r in reqs if r.prefill.status != 200]
+    assert failed, "every prefill leg finished before the kill: nothing was mid-transfer"
+    for r in failed:
+        p = r.prefill
+        assert p.error is None, f"prefill leg transport error: {p.error}"
+        assert p.status in (500, 503), (p.status, p.body)
+        assert p.body["error"]["message"], p.body
+        assert p.t_end - t_kill < KILL_BOUND_S, f"prefill leg failed {p.t_end - t_kill:.1f}s " \
+                                                 "after the kill"
+    stats = prefill.wait_pools_full(timeout=20)
+    role = stats["role"]
+    assert role["free_metadata_slots"] == role["total_metadata_slots"], role
+    assert role["transfer"]["live_rooms"] == 0 and role["transfer"]["rooms_failed"] > 0
+    assert prefill.alive

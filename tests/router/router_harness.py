@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+from pdserve.stack.child import group_alive  # noqa: F401 (re-exported to the tests)
 
 MODEL = "tiny-llama"
 REPO = Path(__file__).resolve().parents[2]
@@ -28,30 +30,8 @@ BACKEND = os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "tcp")
 _ROW = re.compile(r"^  (\S+)\s+(http://\S+)(?:\s+\(pid (\d+)\))?", re.M)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pdserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    alive = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(entry.name))
-    return alive
 
 
 def kill_group(pgid: int) -> None:
@@ -223,14 +203,16 @@ def server_info(url: str) -> dict:
 
 
 def pools_full(url: str) -> bool:
-    """No request holds KV, a slot, or a place in a role queue; nothing open in HTTP."""
+    """No request holds KV, a slot, or a place in a role queue; nothing open in HTTP; the
+    transfer layer tracks no room."""
     info = server_info(url)
     s = info["stats"]
     role = s.get("role") or {}
     queues = sum(v for k, v in role.items() if k.endswith("_queue"))
+    rooms = (role.get("transfer") or {}).get("live_rooms", 0)
     return bool(s["pools_full"] and s["running"] == 0 and s["waiting"] == 0 and queues == 0
                 and s["free_slots"] == s["total_slots"] and s["kv_usage"] == 0
-                and info["open_requests"] == 0)
+                and info["open_requests"] == 0 and rooms == 0)
 
 
 def wait_pools_full(url: str, timeout_s: float = 30) -> None:

@@ -1,6 +1,7 @@
 """Faults and cluster changes under the running stack, with PD nodes started into its
 registry by the node launcher: a node that joins is used without a restart; kill -9 of a
-decode node ends its streams with an error and new requests go elsewhere; kill -9 of a
+decode node migrates its streams to another pair, token-exact (and ends them with an
+error through a router with `--migration-limit 0`), and new requests go elsewhere; kill -9 of a
 prefill node mid-request is retried on the live prefill node before any output (no client
 sees it) and the decode nodes free everything; a client that goes away cancels both legs."""
 
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from router_harness import (
     MODEL,
+    RouterProc,
     free_port,
     generated_tokens,
     legs_metric,
@@ -44,7 +46,8 @@ async def _stream(client: httpx.AsyncClient, router: str, body: dict, started: l
             return {"status": resp.status_code, "error": resp.json()["error"]["message"],
                     "at": time.monotonic()}
         res = {"status": 200, "decode": resp.headers["x-pdserve-decode-node"],
-               "prefill": resp.headers["x-pdserve-prefill-node"], "ids": 0, "error": None}
+               "prefill": resp.headers["x-pdserve-prefill-node"], "ids": 0, "error": None,
+               "out": [], "text": ""}
         started.append(res)
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -54,6 +57,7 @@ async def _stream(client: httpx.AsyncClient, router: str, body: dict, started: l
                 res["error"] = event["error"]["message"]
                 break
             res["ids"] = len(event["output_ids"])
+            res["out"], res["text"] = event["output_ids"], event["text"]
         res["at"] = time.monotonic()
         return res
 
@@ -111,37 +115,69 @@ def test_nodes_started_after_the_router_are_used(router: str, late):
     _prefix_for(router, "prefill-late")  # some prompts' prefixes now go to the new prefill
 
 
-def test_kill9_decode_node(stack, router: str, late):
+@pytest.fixture(scope="module")
+def no_migration_router(stack, tmp_path_factory: pytest.TempPathFactory):
+    proc = RouterProc(stack.registry, tmp_path_factory.mktemp("router0"), "--model", MODEL,
+                      "--migration-limit", "0").spawn()
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.terminate()
+
+
+def test_kill9_decode_node(stack, router: str, no_migration_router: str, late, offline):
+    """Six greedy streams through each of two routers, spread over three decode nodes;
+    decode-late is killed while all stream. Through the default router (migration limit
+    3) its streams move to a live pair and finish token for token as the offline engine;
+    through the router with --migration-limit 0 they end with a clear error in time."""
     n, long = 6, 400
+    prompts = [[7 + i] * 20 for i in range(n)]
     started: list[dict] = []
 
     async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
-            tasks = [asyncio.create_task(_stream(client, router, _body([7 + i] * 20, long),
-                                                 started)) for i in range(n)]
-            while len(started) < n:  # every stream has its first token
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [asyncio.create_task(_stream(client, r, _body(p, long), started))
+                     for r in (router, no_migration_router) for p in prompts]
+            while len(started) < 2 * n:  # every stream has its first token
                 await asyncio.sleep(0.05)
             late["decode-late"].kill9()
             return time.monotonic(), await asyncio.gather(*tasks)
 
+    migrated_before = _counter(router, "pdserve_router_migrations_total", 'outcome="ok"')
     killed_at, results = asyncio.run(run())
-    on_late = [r for r in results if r["decode"] == "decode-late"]
-    elsewhere = [r for r in results if r["decode"] != "decode-late"]
-    assert on_late and elsewhere, results  # the router spread the six over three nodes
-    for r in on_late:
-        assert r["error"] and "decode-late" in r["error"], r
-        assert r["at"] - killed_at < ERROR_BOUND_S, r
-    for r in elsewhere:
-        assert r["error"] is None and r["ids"] == long, r
+    migrating, plain = results[:n], results[n:]
+    assert any(r["decode"] == "decode-late" for r in migrating), migrating
+    assert any(r["decode"] == "decode-late" for r in plain), plain
+    refs = offline.greedy(prompts, long, ignore_eos=True)
+    for r, ref in zip(migrating, refs, strict=True):  # decode-late's too: migrated
+        assert r["error"] is None and r["out"] == ref.output_ids, (r["decode"], r["error"])
+        assert r["text"] == ref.text
+    moved = sum(r["decode"] == "decode-late" for r in migrating)
+    assert _counter(router, "pdserve_router_migrations_total",
+                    'outcome="ok"') - migrated_before == moved
+    for r, ref in zip(plain, refs, strict=True):
+        if r["decode"] == "decode-late":
+            assert r["error"] and "decode-late" in r["error"], r
+            assert "migration-limit" in r["error"] and r["at"] - killed_at < ERROR_BOUND_S
+        else:
+            assert r["error"] is None and r["out"] == ref.output_ids, r
     # New requests go to the live decode nodes only (the dead one is still registered
     # until its TTL runs out: the breaker keeps requests away meanwhile).
     before = legs_metric(router, "decode-late")
     responses = _short_requests(router, 12)
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert legs_metric(router, "decode-late") == before
-    for url in (stack.urls["prefill-0"], late["prefill-late"].url):
+    for url in (stack.urls["prefill-0"], late["prefill-late"].url, stack.urls["decode-0"],
+                stack.urls["decode-1"]):
         wait_pools_full(url)
     _seen_by_router(router, "decode-late", present=False)  # its record expired
+
+
+def _counter(router: str, name: str, labels: str = "") -> float:
+    for line in httpx.get(f"{router}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name) and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def _prefix_for(router: str, node_id: str) -> list[int]:

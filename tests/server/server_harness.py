@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,11 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+
 MODEL = "tiny-llama"
 STARTUP_TIMEOUT_S = 180  # ~10-20 s on a quiet 2-core machine; loaded CI is slower
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_cmd(*flags: str, port: int | None = None, model: str = MODEL) -> list[str]:
