@@ -176,13 +176,20 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         plan = make_plan(body, ids, kind, gw.model_name, default_max, tok.context_length,
                          gw.cfg.truncate_max_tokens, token_text(tok))
         rid = uuid.uuid4().hex
-        flows = []
+        flows = [gw.flow(rid if i == 0 else f"{rid}-{i}", ids, *sglang_fields(sampling))
+                 for i, sampling in enumerate(plan.samplings)]
+        tasks: list[asyncio.Future] = []
         try:
-            for i, sampling in enumerate(plan.samplings):
-                sp, extra = sglang_fields(sampling)
-                flows.append(gw.flow(rid if i == 0 else f"{rid}-{i}", ids, sp, extra))
-                await until_disconnected(request, flows[-1].start())
+            # Choice 0 first: once it has a token its prompt KV sits in the prefill node's
+            # prefix cache, so the other choices (started together) reuse it.
+            await until_disconnected(request, flows[0].start())
+            tasks = [asyncio.ensure_future(f.start()) for f in flows[1:]]
+            if tasks:
+                await until_disconnected(request, asyncio.gather(*tasks))
         except BaseException:
+            for t in tasks:  # a start still running must not open legs after the close
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for flow in flows:
                 flow.close()
             raise
