@@ -60,6 +60,9 @@ class DecodeRole(Role):
             raise ValueError("a decode node needs `bootstrap_room` (an integer in [0, 2^63))")
         if not endpoint:
             raise ValueError("a decode node needs `prefill_node_id` of a live prefill node")
+        # The prefill node computes the prompt's logprobs (and the first token's); the
+        # router merges them in (docs/architecture.md: Logprobs).
+        req.params.prompt_logprobs = None
         req.room, req.meta_slot = room, None
         req.receiver = KVReceiver(self.mgr, room, endpoint)
         self.prealloc.append(req)
@@ -137,6 +140,8 @@ class DecodeRole(Role):
             self._fail(req, f"metadata row carries room {room}, expected {req.room}")
             return
         req.output_ids = [token]
+        if req.params.logprobs is not None:
+            req.output_logprobs = [None]  # the prefill node's answer carries this entry
         req.launched_outputs = 1
         req.state = ReqState.RUNNING
         self.engine.sched.add_prefilled(req)

@@ -18,6 +18,10 @@ class Output:
     text: str
     finish_reason: str
     cached_tokens: int = 0
+    # When asked (docs/architecture.md: Logprobs): per output token, and per prompt token
+    # from the second on, (logprob, [(alternative id, logprob), ...]).
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -66,8 +70,11 @@ class LLM:
     def _output(req) -> Output:
         if req.error:
             raise RuntimeError(req.error)
+        p = req.params
         return Output(req.prompt_ids, list(req.output_ids), req.text, req.finish_reason,
-                      req.cached_tokens)
+                      req.cached_tokens,
+                      list(req.output_logprobs) if p.logprobs is not None else None,
+                      list(req.prompt_logprobs) if p.prompt_logprobs is not None else None)
 
     def close(self) -> None:
         self.engine.close()

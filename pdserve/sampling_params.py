@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # pdserve.engine.logprobs.MAX_LOGPROBS (kept torch-free here)
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    # Logprobs (docs/architecture.md: Logprobs): None = off; k = the token's own logprob
+    # plus its k best alternatives (0..20).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Put the prompt's pages into the prefix cache as soon as they are computed, so
+    # requests sent after this one's first token reuse them (choice 0 of n choices).
+    cache_prompt: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +45,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k}")
 
     @property
     def greedy(self) -> bool:

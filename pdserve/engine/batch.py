@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logprobs import LogprobSpec
 from pdserve.engine.request import Req
 from pdserve.engine.staging import Packed, StagingRing
 
@@ -34,6 +35,7 @@ class Batch:
     generators: tuple = ()
     all_greedy: bool = True
     load_barrier: int = 0  # HiCache load op whose layers the forward waits for (0: none)
+    lp: LogprobSpec | None = None  # None: no row asked for logprobs (nothing extra computed)
 
     @property
     def sampled_rows(self) -> list[Row]:
@@ -48,6 +50,9 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_siz
     b, lq, lk = len(rows), max(q_lens), max(kv_lens)
     ids, pos, q_pos, q_index = [], [], torch.zeros(b, lq, dtype=torch.int64), []
     logit_rows, cursor = [], 0
+    plp_rows: list[int] = []  # prompt logprob rows: index into the batch's tokens
+    plp_targets: list[int] = []  # ... and the prompt token each one predicts
+    plp_counts: list[int] = []
     for i, r in enumerate(rows):
         if batch.kind == "decode":
             ids.append(r.input_id)
@@ -56,6 +61,10 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_siz
         pos.extend(range(r.start, r.start + r.q_len))
         q_pos[i, : r.q_len] = torch.arange(r.start, r.start + r.q_len)
         q_index.extend(range(i * lq, i * lq + r.q_len))
+        if batch.kind == "extend" and r.req.wants_prompt_logprobs():
+            plp_counts.append(_prompt_lp_rows(r, cursor, plp_rows, plp_targets))
+        else:
+            plp_counts.append(0)
         cursor += r.q_len
         if r.future_id:
             logit_rows.append(cursor - 1)
@@ -81,6 +90,35 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_siz
         "temperature": torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
         "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
     }
+    batch.lp = _logprob_spec(params, rows, plp_counts)
+    if batch.lp is not None:
+        ints["plp_rows"] = torch.tensor(plp_rows, dtype=torch.int64)
+        ints["plp_targets"] = torch.tensor(plp_targets, dtype=torch.int64)
     batch.generators = tuple(r.req.generator for r in sampled)
     batch.all_greedy = all(p.greedy for p in params)
     batch.packed = staging.pack(ints, floats)
+
+
+def _prompt_lp_rows(r: Row, base: int, rows: list[int], targets: list[int]) -> int:
+    """Add the chunk's positions p whose logits give prompt token p+1's logprob (those not
+    packed before: a re-prefill after retraction computes none again). `base`: the index of
+    the row's first token in the batch. Returns how many were added."""
+    req = r.req
+    first = max(r.start, req.prompt_lp_packed)
+    last = min(r.start + r.q_len, len(req.prompt_ids) - 1)
+    for p in range(first, last):
+        rows.append(base + p - r.start)
+        targets.append(req.prompt_ids[p + 1])
+    req.prompt_lp_packed = max(req.prompt_lp_packed, last)
+    return max(0, last - first)
+
+
+def _logprob_spec(params: list, rows: tuple[Row, ...], plp_counts: list[int]
+                  ) -> LogprobSpec | None:
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    if not asked and not any(plp_counts):
+        return None
+    prompt_k = max((r.req.params.prompt_logprobs or 0 for r, n in zip(rows, plp_counts,
+                                                                       strict=True) if n),
+                   default=0)
+    return LogprobSpec(bool(asked), max(asked, default=0), prompt_k, tuple(plp_counts))

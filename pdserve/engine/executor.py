@@ -17,6 +17,7 @@ import time
 import torch
 
 from pdserve.engine.batch import Batch
+from pdserve.engine.logprobs import LogprobOutput
 from pdserve.engine.model_runner import ModelRunner
 
 
@@ -27,9 +28,11 @@ class ResultHandle:
         self._error: BaseException | None = None
         self._host: torch.Tensor | None = None
         self._event = None  # torch.cuda.Event when the copy is asynchronous
+        self._lp: LogprobOutput | None = None  # host copy, when the batch asked
 
-    def _set(self, host: torch.Tensor | None, event=None, error: BaseException | None = None):
-        self._host, self._event, self._error = host, event, error
+    def _set(self, host: torch.Tensor | None, event=None, error: BaseException | None = None,
+             lp: LogprobOutput | None = None):
+        self._host, self._event, self._error, self._lp = host, event, error, lp
         self._done.set()
 
     def ready(self) -> bool:
@@ -46,6 +49,10 @@ class ResultHandle:
             self._tokens = self._host.tolist() if self._host is not None else []
         return self._tokens
 
+    def logprobs(self) -> LogprobOutput | None:
+        """The batch's logprobs on the host (call after `tokens()`)."""
+        return self._lp
+
 
 class InlineExecutor:
     """Forward on the caller's thread; the result is ready when `launch` returns."""
@@ -58,8 +65,8 @@ class InlineExecutor:
         handle = ResultHandle()
         t0 = time.thread_time()
         try:
-            tokens = self.runner.run(batch)
-            handle._set(tokens.to("cpu"))
+            tokens, lp = self.runner.run(batch)
+            handle._set(tokens.to("cpu"), lp=lp.to_host() if lp is not None else None)
         except Exception as exc:  # surfaced to the scheduler through tokens()
             handle._set(None, error=exc)
         self.forward_cpu_s += time.thread_time() - t0
@@ -105,18 +112,22 @@ class ThreadedExecutor:
 
     def _run_one(self, batch: Batch, handle: ResultHandle) -> None:
         if self.device.type != "cuda":
-            handle._set(self.runner.run(batch))
+            tokens, lp = self.runner.run(batch)
+            handle._set(tokens, lp=lp)
             return
         with torch.cuda.stream(self.stream):
-            tokens = self.runner.run(batch)
+            tokens, lp = self.runner.run(batch)
         self.copy_stream.wait_stream(self.stream)
         with torch.cuda.stream(self.copy_stream):
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            lp_host = lp.to_host(non_blocking=True) if lp is not None else None
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         tokens.record_stream(self.copy_stream)
-        handle._set(host, event)
+        for t in (lp.tensors().values() if lp is not None else ()):
+            t.record_stream(self.copy_stream)
+        handle._set(host, event, lp=lp_host)
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -65,7 +65,9 @@ class KVManager:
         req.pages, req.cached_len, req.kv_len = [], 0, 0
         if self.cache is not None:
             # Keep at least one token to compute: its logits give the next token.
-            prefix = req.fill_ids[: len(req.fill_ids) - 1]
+            # Prompt logprobs need every prompt position's logits: reuse nothing then.
+            usable = 0 if req.wants_prompt_logprobs() else len(req.fill_ids) - 1
+            prefix = req.fill_ids[:usable]
             if self.hi is not None:
                 pages, node = self._match_and_load(req, prefix)
             else:
@@ -121,6 +123,29 @@ class KVManager:
         self.req_pool.write(req.slot, req.kv_len, slots)
         req.kv_len = new_len
         return slots
+
+    def cache_prompt(self, req: Req) -> bool:
+        """Put the whole pages of `req`'s computed prompt into the cache now, while it keeps
+        running, so requests admitted after it reuse them (the n choices of one OpenAI
+        request: docs/architecture.md: Logprobs). The request keeps them locked and they
+        count as its cached prefix from now on. Done only when the tree holds exactly the
+        prefix the request locked (no duplicate pages to sort out); False otherwise."""
+        if self.cache is None or req.slot is None or req.kv_len < len(req.prompt_ids):
+            return False
+        full = len(req.prompt_ids) // self.page_size
+        own = req.cached_len // self.page_size
+        if full <= own:
+            return False
+        tokens = req.prompt_ids[: full * self.page_size]
+        pages, _ = self.cache.match_prefix(tokens, count=False)
+        if len(pages) != own:
+            return False
+        self.cache.insert(tokens, req.pages[:full])
+        _, node = self.cache.match_prefix(tokens, count=False)
+        self.cache.lock(node)
+        self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = node, full * self.page_size
+        return True
 
     def release(self, req: Req, cache_it: bool = True) -> None:
         """Return the request's slot and pages. Whole computed pages go into the cache."""

@@ -8,8 +8,10 @@ from collections import deque
 
 import torch
 
+from pdserve.engine import logprobs
 from pdserve.engine.batch import Batch
 from pdserve.engine.future_map import FutureMap
+from pdserve.engine.logprobs import LogprobOutput
 from pdserve.engine.sampler import Sampler, SamplingBatch
 from pdserve.memory.kv_pool import KVPool
 from pdserve.models.llama import AttnMeta, CausalLM
@@ -28,8 +30,9 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Forward + sample; returns sampled token ids [R] on the device."""
+    def run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
+        """Forward + sample; returns sampled token ids [R] on the device, and the batch's
+        logprobs when a row asked (docs/architecture.md: Logprobs)."""
         t0 = time.perf_counter()
         try:
             return self._run(batch)
@@ -37,7 +40,7 @@ class ModelRunner:
             self.timeline.append((batch.seq, t0, time.perf_counter()))
 
     @torch.inference_mode()
-    def _run(self, batch: Batch) -> torch.Tensor:
+    def _run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
         t = batch.packed.to_device(self.device)
         b, lq = t["q_pos"].shape
         ps = self.kv_pool.page_size
@@ -54,14 +57,25 @@ class ModelRunner:
             if batch.load_barrier else None,
         )
         input_ids = self.future_map.resolve(t["input_ids"])
-        if t["logit_rows"].numel() == 0:  # a middle chunk only: nothing to sample
-            self.model(input_ids, t["positions"], meta, self.kv_pool, t["logit_rows"])
-            return t["logit_rows"]
-        logits = self.model(input_ids, t["positions"], meta, self.kv_pool, t["logit_rows"])
-        tokens = self.sampler(logits, SamplingBatch(
-            t["temperature"], t["top_p"], t["top_k"], list(batch.generators), batch.all_greedy))
-        self.future_map.store(t["future_ids"], tokens)
-        return tokens
+        rows, spec = t["logit_rows"], batch.lp
+        n_sample = rows.numel()
+        if spec is not None and t["plp_rows"].numel():
+            rows = torch.cat([rows, t["plp_rows"]])  # prompt logprob rows after the samples
+        if rows.numel() == 0:  # a middle chunk only: nothing to sample
+            self.model(input_ids, t["positions"], meta, self.kv_pool, rows)
+            return t["logit_rows"], None
+        logits = self.model(input_ids, t["positions"], meta, self.kv_pool, rows)
+        sample_logits = logits[:n_sample]
+        tokens = t["logit_rows"]
+        if n_sample:
+            tokens = self.sampler(sample_logits, SamplingBatch(
+                t["temperature"], t["top_p"], t["top_k"], list(batch.generators),
+                batch.all_greedy))
+            self.future_map.store(t["future_ids"], tokens)
+        if spec is None:
+            return tokens, None
+        return tokens, logprobs.compute(spec, sample_logits, tokens, logits[n_sample:],
+                                        t["plp_targets"])
 
     def _wait_layer(self, layer: int, op_id: int) -> None:
         self.hicache.wait_layer(layer, op_id)

@@ -13,6 +13,7 @@ import time
 from pdserve.engine.batch import Batch
 from pdserve.engine.executor import ResultHandle
 from pdserve.engine.kv_manager import KVManager
+from pdserve.engine.logprobs import LogprobOutput, trim
 from pdserve.engine.request import Req
 from pdserve.engine.role import Role
 from pdserve.engine.scheduler import Scheduler
@@ -34,23 +35,44 @@ class OutputProcessor:
     def process(self, batch: Batch, handle: ResultHandle) -> None:
         tokens = handle.tokens()
         now = time.perf_counter()
-        for row, tok in zip(batch.sampled_rows, tokens, strict=True):
+        sampled_lp = None
+        if batch.lp is not None:
+            sampled_lp = self._prompt_logprobs(batch, handle.logprobs())
+        for i, (row, tok) in enumerate(zip(batch.sampled_rows, tokens, strict=True)):
             req = row.req
             if req.finished:  # finished (or aborted) after this batch was launched
                 continue
             if req.future_id == row.future_id:
                 req.future_id = 0
             req.output_ids.append(tok)
+            if req.params.logprobs is not None and sampled_lp:
+                req.output_logprobs.append(trim(sampled_lp[i], req.params.logprobs))
             self.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             reason = self.stop_reason(req)
             if reason:
                 self.finish(req, reason)
+            elif req.params.cache_prompt and batch.kind == "extend":
+                self.kv.cache_prompt(req)  # its n - 1 sibling choices come next
         if batch.kind == "extend":
             self.role.on_extend_processed(batch)
         self.processed_seq = batch.seq
         self._release_ready()
+
+    @staticmethod
+    def _prompt_logprobs(batch: Batch, lp: LogprobOutput | None) -> list:
+        """Hand each row its prompt logprobs; return the sampled rows' entries."""
+        if lp is None:
+            return []
+        prompt = lp.prompt_entries()
+        at = 0
+        for row, n in zip(batch.rows, batch.lp.prompt_counts, strict=True):
+            if n:
+                k = row.req.params.prompt_logprobs or 0
+                row.req.prompt_logprobs.extend(trim(e, k) for e in prompt[at:at + n])
+                at += n
+        return lp.sampled_entries()
 
     def stop_reason(self, req: Req) -> str | None:
         tok, p = req.output_ids[-1], req.params

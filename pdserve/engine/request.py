@@ -51,9 +51,23 @@ class Req:
         self.retractions = 0
         self.text = ""
         self.generator: torch.Generator | None = None
+        # Logprobs (docs/architecture.md: Logprobs), only when asked: one entry per output
+        # token (None for a first token computed elsewhere: the PD decode node), and one per
+        # prompt token from the second on. `prompt_lp_packed`: prompt positions whose
+        # logits some launched batch computes (prompt logprobs are computed once, even if
+        # the request is retracted and re-prefilled).
+        self.output_logprobs: list = []
+        self.prompt_logprobs: list = []
+        self.prompt_lp_packed = 0
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (no prefix-cache reuse then:
+        every prompt position's logits are needed)."""
+        return (self.params.prompt_logprobs is not None
+                and self.prompt_lp_packed < len(self.prompt_ids) - 1)
 
     # -- lengths -------------------------------------------------------------
     @property

@@ -11,7 +11,6 @@ are reported in-band and end the stream.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -20,7 +19,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.router.flow import Flow
 from pdserve.router.gateway import Gateway
 from pdserve.server.api import error_body, error_response, install_error_handlers, sse
-from pdserve.server.openai_format import chat_stream, completion_stream, final_response
+from pdserve.server.choices import merge
+from pdserve.server.logprob_format import TokenText
+from pdserve.server.openai_format import final_response, openai_stream
+from pdserve.server.openai_plan import make_plan, sglang_fields
 from pdserve.server.protocol import (
     ApiError,
     ChatBody,
@@ -28,6 +30,7 @@ from pdserve.server.protocol import (
     GenerateBody,
     fit_max_tokens,
 )
+from pdserve.server.tokenize_routes import add_tokenize_routes
 
 DISCONNECT_POLL_S = 0.25
 
@@ -40,15 +43,17 @@ class FlowResponse(StreamingResponse):
     """A streaming response that closes its flow however the response ends, including a
     client that left before the first byte (the body generator never runs then)."""
 
-    def __init__(self, flow: Flow, content) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=flow.headers)
-        self.flow = flow
+    def __init__(self, flows: Flow | list[Flow], content) -> None:
+        flows = flows if isinstance(flows, list) else [flows]
+        super().__init__(content, media_type="text/event-stream", headers=flows[0].headers)
+        self.flows = flows
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.flow.close()
+            for flow in self.flows:
+                flow.close()
 
 
 async def until_disconnected(request: Request, awaitable):
@@ -119,6 +124,20 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
             "id": gw.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": tok.context_length if tok else None}]}
 
+    async def tokenizer():
+        return (await gw.tokenizer()).tok
+
+    add_tokenize_routes(app, tokenizer, lambda: gw.model_name,
+                        lambda: gw._tokenizer.context_length,
+                        lambda: gw._tokenizer.vocab_size)
+    texts: dict[int, TokenText] = {}
+
+    def token_text(tok) -> TokenText:
+        if id(tok) not in texts:
+            texts.clear()
+            texts[id(tok)] = TokenText(tok.tok)
+        return texts[id(tok)]
+
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
         body.validate_input()
@@ -132,7 +151,10 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         sp["max_new_tokens"] = fit_max_tokens(
             len(ids), sp["max_new_tokens"] if explicit else None, sp["max_new_tokens"],
             tok.context_length, gw.cfg.truncate_max_tokens)
-        flow = gw.flow(body.rid or uuid.uuid4().hex, ids, sp)
+        extra = {k: getattr(body, k) for k in ("return_logprob", "top_logprobs_num",
+                                                "logprob_start_len")} \
+            if body.return_logprob else None
+        flow = gw.flow(body.rid or uuid.uuid4().hex, ids, sp, extra)
         await until_disconnected(request, flow.start())
         if body.stream:
             return FlowResponse(flow, _generate_sse(flow))
@@ -145,39 +167,51 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         tok = await gw.tokenizer()
-        body.check_common(gw.model_name)
+        body.check_common(gw.model_name, gw.cfg.max_n)
         ids = tok.encode(body.prompt_input())
-        return await _openai(body, ids, request, "text_completion", 16, tok.context_length)
+        return await _openai(body, ids, request, "text_completion", 16, tok)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         tok = await gw.tokenizer()
-        body.check_common(gw.model_name)
+        body.check_common(gw.model_name, gw.cfg.max_n)
         ids = tok.chat([{"role": m.role, "content": m.text()} for m in body.messages])
         return await _openai(body, ids, request, "chat.completion", tok.default_max_tokens(ids),
-                             tok.context_length)
+                             tok)
 
     async def _openai(body, ids: list[int], request: Request, kind: str, default_max: int,
-                      context: int):
-        max_tokens = fit_max_tokens(
-            len(ids), getattr(body, "max_completion_tokens", None) or body.max_tokens,
-            default_max, context, gw.cfg.truncate_max_tokens)
-        sp = {"max_new_tokens": max_tokens, "temperature": body.temperature,
-              "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
-              "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,
-              "seed": body.seed}
-        flow = gw.flow(uuid.uuid4().hex, ids, sp)
-        await until_disconnected(request, flow.start())
-        created, model = int(time.time()), gw.model_name
+                      tok):
+        plan = make_plan(body, ids, kind, gw.model_name, default_max, tok.context_length,
+                         gw.cfg.truncate_max_tokens, token_text(tok))
+        rid = uuid.uuid4().hex
+        flows = [gw.flow(rid if i == 0 else f"{rid}-{i}", ids, *sglang_fields(sampling))
+                 for i, sampling in enumerate(plan.samplings)]
+        tasks: list[asyncio.Future] = []
+        try:
+            # Choice 0 first: once it has a token its prompt KV sits in the prefill node's
+            # prefix cache, so the other choices (started together) reuse it.
+            await until_disconnected(request, flows[0].start())
+            tasks = [asyncio.ensure_future(f.start()) for f in flows[1:]]
+            if tasks:
+                await until_disconnected(request, asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:  # a start still running must not open legs after the close
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for flow in flows:
+                flow.close()
+            raise
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            fmt = completion_stream if kind == "text_completion" else chat_stream
-            return FlowResponse(flow, fmt(flow.events(), model, created, usage))
+            return FlowResponse(flows, openai_stream(merge([f.events() for f in flows]),
+                                                     plan.shape, usage))
         try:
-            last = await until_disconnected(request, collect(flow))
+            lasts = await until_disconnected(
+                request, asyncio.gather(*(collect(f) for f in flows)))
         finally:
-            flow.close()
-        return JSONResponse(final_response(kind, last, model, created), headers=flow.headers)
+            for flow in flows:
+                flow.close()
+        return JSONResponse(final_response(plan.shape, lasts), headers=flows[0].headers)
 
     return app
 

@@ -63,6 +63,7 @@ class RouterConfig:
     body_timeout_s: float = _opt(30.0, "a request body must arrive within this many "
                                        "seconds of its headers; beyond: 408 and closed")
     max_connections: int = _opt(4096, "open client connections; beyond: 503 and closed")
+    max_n: int = _opt(16, "largest `n` (choices per OpenAI request); beyond: 400")
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -79,7 +80,7 @@ class RouterConfig:
                     "--dispatch-attempts": self.dispatch_attempts,
                     "--breaker-failures": self.breaker_failures,
                     "--breaker-cooldown-s": self.breaker_cooldown_s,
-                    "--max-body-bytes": self.max_body_bytes}
+                    "--max-body-bytes": self.max_body_bytes, "--max-n": self.max_n}
         for flag, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")

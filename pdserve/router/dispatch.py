@@ -48,14 +48,17 @@ class Dispatcher:
         self.rng = random.Random()
 
     async def open(self, ids: list[int], sampling: dict, rid: str,
-                   exclude: set[str] | frozenset[str] = frozenset()) -> Opened:
-        """`exclude`: nodes to avoid while another is usable (a migration's dead node)."""
+                   exclude: set[str] | frozenset[str] = frozenset(),
+                   extra: dict | None = None) -> Opened:
+        """`exclude`: nodes to avoid while another is usable (a migration's dead node).
+        `extra`: more /generate fields for both legs (SGLang's logprob fields)."""
         excluded: set[str] = set(exclude)
         last: LegError | None = None
         for attempt in range(self.cfg.dispatch_attempts):
             prefill, decode = await self.pick(ids, excluded, last)
             body = {"input_ids": ids, "sampling_params": sampling,
-                    "rid": f"{rid}-{attempt}", "bootstrap_room": secrets.randbits(63)}
+                    "rid": f"{rid}-{attempt}", "bootstrap_room": secrets.randbits(63),
+                    **(extra or {})}
             legs = Legs(self.http, prefill, decode, body, self.on_leg)
             legs.start()
             try:

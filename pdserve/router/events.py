@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pdserve.server.logprob_format import output_entries, prompt_entries
+
 DONE = "[DONE]"
 
 
@@ -29,6 +31,14 @@ class Event:
     cached_tokens: int
     finish_reason: str | None
     meta: dict = field(default_factory=dict)  # the node's meta_info, verbatim
+
+    @property
+    def output_logprobs(self) -> list | None:
+        return output_entries(self.meta)
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        return prompt_entries(self.meta)
 
     def generate_obj(self) -> dict:
         """The /generate body: the node's, with the router's request id."""

@@ -18,6 +18,7 @@ from pdserve.router.events import DONE, Event, StreamFormatError, to_event
 from pdserve.router.legs import LegError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Stitcher, continuation, is_decode_death
+from pdserve.server.logprob_format import merge_prefill
 from pdserve.server.protocol import ApiError
 
 
@@ -32,11 +33,14 @@ class Migration:
 class Flow:
     def __init__(self, rid: str, ids: list[int], sampling: dict, admission: Admission,
                  dispatcher: Dispatcher, metrics: RouterMetrics, timeout_s: float,
-                 migration: Migration = Migration(0, None)) -> None:
+                 migration: Migration = Migration(0, None), extra: dict | None = None
+                 ) -> None:
         self.rid, self.ids, self.sampling = rid, ids, sampling
         self.migration = migration
         self.migrations = 0
         self.stitcher: Stitcher | None = None
+        self.extra = extra or {}  # SGLang logprob fields for both legs
+        self._prefill_meta: dict | None = None
         self.admission, self.dispatcher, self.metrics = admission, dispatcher, metrics
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + timeout_s
@@ -54,7 +58,7 @@ class Flow:
             await self._bounded(self.admission.acquire())
             self._slot = True
             self.opened = await self._bounded(self.dispatcher.open(self.ids, self.sampling,
-                                                                   self.rid))
+                                                                   self.rid, extra=self.extra))
         except ApiError as exc:
             self.outcome = str(exc.code or exc.status)
             self.close()
@@ -80,6 +84,8 @@ class Flow:
         while True:
             try:
                 while item != DONE:
+                    if self.opened.legs.prefill_answer is not None:
+                        item = await self._with_prefill_logprobs(item)
                     event = to_event(self.rid, item, None if self.stitcher else self.last)
                     cut = False
                     if self.stitcher is not None:
@@ -115,6 +121,17 @@ class Flow:
         self.outcome = self.last.finish_reason or "unknown"
         self._observe_end()
 
+    async def _with_prefill_logprobs(self, obj: dict) -> dict:
+        """The decode event with the prompt's and the first token's logprobs, which the
+        prefill node computed (its answer trails the KV it sent only by a little)."""
+        if self._prefill_meta is None:
+            self._prefill_meta = await self._bounded(
+                asyncio.shield(self.opened.legs.prefill_answer))
+        meta = obj.get("meta_info")
+        if not isinstance(meta, dict):
+            return obj
+        return {**obj, "meta_info": merge_prefill(meta, self._prefill_meta)}
+
     async def _migrate(self, exc: LegError | StreamFormatError) -> dict | str | ApiError:
         """Continue on a new pair after the decode node died (the continuation's first
         event), or the error that ends the stream."""
@@ -124,6 +141,9 @@ class Flow:
         last, m = self.last, self.migration
         if last is not None and last.finish_reason is not None:
             return DONE  # everything reached the client; only the [DONE] was lost
+        if self.extra:  # logprob requests are not migrated (their entries would not line up)
+            self.outcome = str(err.code or err.status)
+            return err
         if not (is_decode_death(exc, dead) and last is not None and m.tokenizer is not None):
             self.outcome = str(err.code or err.status)
             return err

@@ -78,10 +78,12 @@ class Gateway:
                            "no_tokenizer") from exc
         return self._tokenizer
 
-    def flow(self, rid: str, ids: list[int], sampling: dict) -> Flow:
+    def flow(self, rid: str, ids: list[int], sampling: dict, extra: dict | None = None
+             ) -> Flow:
         tok = self._tokenizer.tok if self._tokenizer is not None else None
         return Flow(rid, ids, sampling, self.admission, self.dispatcher, self.metrics,
-                    self.cfg.request_timeout_s, Migration(self.cfg.migration_limit, tok))
+                    self.cfg.request_timeout_s, Migration(self.cfg.migration_limit, tok),
+                    extra)
 
     def _on_leg(self, node: NodeState, outcome: str) -> None:
         node.counts[outcome] = node.counts.get(outcome, 0) + 1

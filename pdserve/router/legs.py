@@ -145,6 +145,10 @@ class Legs:
         self.tasks: list[asyncio.Task] = []
         self.decoding = False  # the decode leg has sent output
         self.completed = False  # ... and all of it
+        # Logprob requests: the prefill node's answer carries the prompt's and the first
+        # token's logprobs (docs/architecture.md: Logprobs); None when not asked.
+        self.prefill_answer: asyncio.Future | None = (
+            asyncio.get_running_loop().create_future() if body.get("return_logprob") else None)
 
     def start(self) -> None:
         p_body = {**self.body, "stream": False}
@@ -185,6 +189,17 @@ class Legs:
         cancellation, where awaiting is not possible."""
         for task in self.tasks:
             task.cancel()
+        self._answer(None, LegError(self.prefill, "prefill", 499, "cancelled"))
+
+    def _answer(self, body: dict | None, error: LegError | None = None) -> None:
+        f = self.prefill_answer
+        if f is None or f.done():
+            return
+        if error is not None:
+            f.set_exception(error)
+            f.exception()  # mark retrieved: a flow that never asks must not log it
+        else:
+            f.set_result(body)
 
     async def _leg(self, node: NodeState, leg: str, body: dict, outcome: list[str]) -> None:
         try:
@@ -196,6 +211,8 @@ class Legs:
             outcome[0] = "ok"
             node.breaker.success()
             return
+        if leg == "prefill":
+            self._answer(None, error)
         # A failure caused by the other node leaves this node's breaker alone.
         outcome[0] = error.outcome if error.node is node else "peer_failed"
         if error.node_fault:
@@ -213,7 +230,18 @@ class Legs:
             resp = await self.http.post(f"{node.url}/generate", json=body)
         except httpx.HTTPError as exc:
             return transport_error(node, "prefill", exc)
-        return None if resp.status_code == 200 else status_error(node, "prefill", resp)
+        if resp.status_code != 200:
+            return status_error(node, "prefill", resp)
+        if self.prefill_answer is not None:
+            try:
+                meta = resp.json()["meta_info"]
+                if not isinstance(meta, dict):
+                    raise TypeError("meta_info is not an object")
+            except (ValueError, KeyError, TypeError) as exc:
+                return LegError(node, "prefill", 503, f"prefill node {node.node_id} sent a "
+                                f"bad answer: {exc!r}", node_fault=True)
+            self._answer(meta)
+        return None
 
     async def _decode(self, node: NodeState, body: dict) -> LegError | None:
         try:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.server.choices import last_events, merge, start_all
 from pdserve.server.frontend import Frontend
-from pdserve.server.openai_format import chat_stream, completion_stream, final_response
+from pdserve.server.logprob_format import TokenText, sglang_meta
+from pdserve.server.openai_format import final_response, openai_stream
+from pdserve.server.openai_plan import make_plan
 from pdserve.server.protocol import (
     ApiError,
     ChatBody,
@@ -24,6 +26,7 @@ from pdserve.server.protocol import (
     fit_max_tokens,
 )
 from pdserve.server.sglang_routes import add_sglang_routes, sglang_server_info
+from pdserve.server.tokenize_routes import add_tokenize_routes
 
 log = logging.getLogger("pdserve.server")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
@@ -113,6 +116,14 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
             "id": model, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": front.context_length}]}
 
+    token_text = TokenText(front.tokenizer)
+
+    async def tokenizer():
+        return front.tokenizer
+
+    add_tokenize_routes(app, tokenizer, lambda: model, lambda: front.context_length,
+                        lambda: front.client.ready.vocab_size)
+
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
         body.validate_input()
@@ -122,24 +133,28 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         sp["max_new_tokens"] = fit_max_tokens(
             len(ids), sp["max_new_tokens"] if explicit else None, sp["max_new_tokens"],
             front.context_length, front.cfg.truncate_max_tokens)
+        sp |= body.logprob_params(len(ids))
         extra = await front.resolve_extra(body.leg_fields())
+        start = body.logprob_start_len if body.return_logprob else None
         if body.stream:
             events = await _started(front.run(ids, sp, body.rid, extra))
-            return StreamingResponse(_generate_sse(events), media_type="text/event-stream")
+            return StreamingResponse(_generate_sse(events, ids, start),
+                                     media_type="text/event-stream")
         last = None
         async for ev in front.run(ids, sp, body.rid, extra, request.is_disconnected):
             last = ev
-        return _generate_obj(last) if last else error_response(499, "client disconnected")
+        return _generate_obj(last, ids, start) if last else \
+            error_response(499, "client disconnected")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        body.check_common(model)
+        body.check_common(model, front.cfg.max_n)
         ids = front.encode(body.prompt_input())
         return await _openai(body, ids, request, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
-        body.check_common(model)
+        body.check_common(model, front.cfg.max_n)
         msgs = [{"role": x.role, "content": x.text()} for x in body.messages]
         ids = chat_prompt_ids(front.tokenizer, msgs)
         front.check_ids(ids)
@@ -147,28 +162,28 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
 
     async def _openai(body, ids: list[int], request: Request, kind: str):
         default = 16 if kind == "text_completion" else front.default_max_tokens(ids)
-        max_tokens = fit_max_tokens(
-            len(ids), getattr(body, "max_completion_tokens", None) or body.max_tokens,
-            default, front.context_length, front.cfg.truncate_max_tokens)
-        sp = {"max_new_tokens": max_tokens, "temperature": body.temperature,
-              "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop,
-              "stop_token_ids": body.stop_token_ids or [], "ignore_eos": body.ignore_eos,
-              "seed": body.seed}
+        plan = make_plan(body, ids, kind, model, default, front.context_length,
+                         front.cfg.truncate_max_tokens, token_text)
         # A PD leg sent by SGLang's router: its bootstrap fields ride on OpenAI bodies too.
+        # One leg is one request (one bootstrap room): its n choices cannot share it.
         extra = await front.resolve_extra(body.leg_fields())
-        created = int(time.time())
+        if extra and len(plan.samplings) > 1:
+            raise ApiError(400, "n > 1 is not supported on a prefill/decode leg: the router "
+                                "sends each choice as its own request")
         if body.stream:
-            events = await _started(front.run(ids, sp, extra=extra))
+            streams = await start_all([front.run(ids, sp, extra=extra)
+                                       for sp in plan.samplings], _started)
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            fmt = completion_stream if kind == "text_completion" else chat_stream
-            return StreamingResponse(fmt(events, model, created, usage),
+            return StreamingResponse(openai_stream(merge(streams), plan.shape, usage),
                                      media_type="text/event-stream")
-        last = None
-        async for ev in front.run(ids, sp, extra=extra, disconnected=request.is_disconnected):
-            last = ev
-        if last is None:
+        streams = [front.run(ids, sp, extra=extra, disconnected=request.is_disconnected)
+                   for sp in plan.samplings]
+        if len(streams) > 1:
+            streams = await start_all(streams, _started)
+        lasts = await last_events(streams)
+        if any(ev is None for ev in lasts):
             return error_response(499, "client disconnected")
-        return final_response(kind, last, model, created)
+        return final_response(plan.shape, lasts)
 
     add_sglang_routes(app, front, node_info)
     return app
@@ -186,21 +201,26 @@ async def _started(events):
                 yield ev
         except ApiError as exc:  # after the 200 header: report in-band, then end the stream
             yield exc
+        finally:
+            await events.aclose()  # closed early (n > 1 choices): abort the request now
 
     return chain()
 
 
-async def _generate_sse(events):
+async def _generate_sse(events, ids: list[int], start: int | None):
     async for ev in events:
         if isinstance(ev, ApiError):
             yield sse(error_body(ev))
             break
-        yield sse(_generate_obj(ev))
+        yield sse(_generate_obj(ev, ids, start))
     yield "data: [DONE]\n\n"
 
 
-def _generate_obj(ev) -> dict:
-    return {"text": ev.text, "output_ids": ev.output_ids, "meta_info": {
-        "id": ev.rid, "prompt_tokens": ev.prompt_tokens,
-        "completion_tokens": len(ev.output_ids), "cached_tokens": ev.cached_tokens,
-        "finish_reason": ev.finish_reason}}
+def _generate_obj(ev, ids: list[int], start: int | None) -> dict:
+    """SGLang's /generate body; `start` is logprob_start_len when logprobs were asked."""
+    meta = {"id": ev.rid, "prompt_tokens": ev.prompt_tokens,
+            "completion_tokens": len(ev.output_ids), "cached_tokens": ev.cached_tokens,
+            "finish_reason": ev.finish_reason}
+    if start is not None:
+        meta |= sglang_meta(ev.output_ids, ev.output_logprobs, ids, ev.prompt_logprobs, start)
+    return {"text": ev.text, "output_ids": ev.output_ids, "meta_info": meta}

@@ -24,6 +24,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a request's headers must arrive within this; then 408
     body_timeout_s: float = 30.0  # ... and its body within this after the headers
     max_connections: int = 4096  # open HTTP connections; beyond it new ones get 503
+    max_n: int = 16  # largest `n` (choices of one OpenAI request); beyond it 400
     log_level: str = "info"
     role: str = "colocated"  # colocated | prefill | decode
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
@@ -60,6 +61,8 @@ class ServerConfig:
                             "headers, or it is answered 408 and closed")
         g.add_argument("--max-connections", type=int, default=4096,
                        help="open HTTP connections; beyond it new ones get 503 and close")
+        g.add_argument("--max-n", type=int, default=16,
+                       help="largest `n` (choices per OpenAI request); beyond it HTTP 400")
         g.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
         EngineConfig.add_cli_args(p)
@@ -71,6 +74,8 @@ class ServerConfig:
         if args.max_queued_requests < 1 or args.request_timeout_s <= 0:
             raise ValueError("--max-queued-requests and --request-timeout-s must be positive")
         HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections)
+        if args.max_n < 1:
+            raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
         return cls(
             engine=EngineConfig.from_cli(args), host=args.host, port=args.port,
             served_model_name=args.served_model_name,
@@ -78,7 +83,7 @@ class ServerConfig:
             request_timeout_s=args.request_timeout_s, max_body_bytes=args.max_body_bytes,
             truncate_max_tokens=args.truncate_max_tokens,
             header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-            max_connections=args.max_connections,
+            max_connections=args.max_connections, max_n=args.max_n,
             log_level=args.log_level, role=role,
             pd=PDConfig.from_cli(args) if role != "colocated" else None,
         )

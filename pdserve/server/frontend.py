@@ -28,6 +28,10 @@ class Event:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str | None
+    # When asked (docs/architecture.md: Logprobs): entries of all output ids so far, and of
+    # prompt tokens 1.. (see pdserve.server.logprob_format).
+    output_logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class Frontend:
@@ -101,6 +105,8 @@ class Frontend:
             raise
         detok = IncrementalDetokenizer(self.tokenizer, [stop] if isinstance(stop, str) else stop)
         last, first, done = t0, None, False
+        out_lp: list | None = None
+        prompt_lp: list | None = None
         next_check = t0 + DISCONNECT_CHECK_S
         try:
             while not done:
@@ -127,8 +133,12 @@ class Frontend:
                     last = now
                 done = u.finish_reason is not None
                 delta = detok.add(u.new_ids, done)
+                if u.logprobs is not None:
+                    out_lp = (out_lp or []) + [_entry(e) for e in u.logprobs]
+                if u.prompt_logprobs is not None:
+                    prompt_lp = [_entry(e) for e in u.prompt_logprobs]
                 yield Event(rid, delta, detok.emitted, list(detok.ids), len(ids), u.cached_tokens,
-                            u.finish_reason)
+                            u.finish_reason, out_lp, prompt_lp)
         finally:
             self.client_rids.discard(rid)
             if not done:  # disconnect, timeout or error: still counted
@@ -158,3 +168,8 @@ class Frontend:
         self.metrics.prompt_tokens.inc(n_prompt)
         self.metrics.generation_tokens.inc(n_out)
         self.metrics.requests.labels(reason or "unknown").inc()
+
+
+def _entry(e):
+    """A logprob entry off msgpack (lists) as the engine's (logprob, [(id, logprob)])."""
+    return None if e is None else (e[0], [(a, lp) for a, lp in e[1]])

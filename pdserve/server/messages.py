@@ -55,6 +55,10 @@ class TokenUpdate:
     cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None  # e.g. "prefill_failed": who is to blame
+    # Only when the request asked (docs/architecture.md: Logprobs): one entry per new id,
+    # [logprob, [[id, logprob], ...]] or None; prompt entries once, with the first update.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass

@@ -1,12 +1,38 @@
-"""OpenAI response and SSE chunk shapes for completions and chat completions."""
+"""OpenAI response and SSE chunk shapes for completions and chat completions: n choices,
+logprobs and echo (docs/architecture.md: Logprobs). Used by the node and the router alike:
+an event needs `rid, delta, text, output_ids, prompt_tokens, cached_tokens,
+finish_reason, output_logprobs, prompt_logprobs`."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
+from pdserve.server.logprob_format import TokenText, chat_logprobs, completion_logprobs
 from pdserve.server.protocol import ApiError
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+@dataclass
+class Shape:
+    """What one OpenAI request's answer looks like."""
+
+    kind: str  # "text_completion" or "chat.completion"
+    model: str
+    created: int
+    logprobs: int | None = None  # alternatives per token; None = no logprobs
+    echo_text: str = ""  # completions echo: the prompt's text, put before each choice
+    echo_ids: list[int] = field(default_factory=list)  # ... and its ids, with logprobs
+    token_text: TokenText | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    @property
+    def rid_prefix(self) -> str:
+        return "chatcmpl-" if self.chat else "cmpl-"
 
 
 def _sse(obj) -> str:
@@ -18,61 +44,96 @@ def _error(exc: ApiError) -> str:
                            "code": exc.code or exc.status}})
 
 
-def _usage(ev) -> dict:
-    n = len(ev.output_ids)
-    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": n,
-            "total_tokens": ev.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+def usage(evs: list) -> dict:
+    n = sum(len(ev.output_ids) for ev in evs)
+    p = evs[0].prompt_tokens
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": evs[0].cached_tokens}}
 
 
-def final_response(kind: str, ev, model: str, created: int) -> dict:
-    finish = FINISH.get(ev.finish_reason, ev.finish_reason)
-    if kind == "text_completion":
-        choice = {"index": 0, "text": ev.text, "logprobs": None, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": ev.text},
-                  "logprobs": None, "finish_reason": finish}
-    return {"id": f"cmpl-{ev.rid}", "object": kind, "created": created, "model": model,
-            "choices": [choice], "usage": _usage(ev)}
+def _padded(entries, n: int) -> list:
+    entries = list(entries or [])[:n]
+    return entries + [None] * (n - len(entries))
 
 
-async def completion_stream(events, model: str, created: int, include_usage: bool):
-    last = None
-    async for ev in events:
-        if isinstance(ev, ApiError):
-            yield _error(ev)
+def _logprobs(shape: Shape, ev, start: int, first_chunk: bool, offset: int):
+    """The `logprobs` object of output tokens [start:] (plus the echoed prompt's in the
+    first chunk); None when not asked."""
+    if shape.logprobs is None:
+        return None
+    ids = ev.output_ids[start:]
+    entries = _padded(ev.output_logprobs, len(ev.output_ids))[start:]
+    if shape.chat:
+        return chat_logprobs(shape.token_text, ids, entries)
+    if first_chunk and shape.echo_ids:
+        prompt = [None] + _padded(ev.prompt_logprobs, len(shape.echo_ids) - 1)
+        ids, entries = shape.echo_ids + ids, prompt + entries
+    return completion_logprobs(shape.token_text, ids, entries, offset)
+
+
+def final_response(shape: Shape, evs: list) -> dict:
+    choices = []
+    for i, ev in enumerate(evs):
+        finish = FINISH.get(ev.finish_reason, ev.finish_reason)
+        lp = _logprobs(shape, ev, 0, True, 0)
+        if shape.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": ev.text},
+                            "logprobs": lp, "finish_reason": finish})
+        else:
+            choices.append({"index": i, "text": shape.echo_text + ev.text, "logprobs": lp,
+                            "finish_reason": finish})
+    return {"id": shape.rid_prefix + evs[0].rid, "object": shape.kind,
+            "created": shape.created, "model": shape.model, "choices": choices,
+            "usage": usage(evs)}
+
+
+class _ChoiceState:
+    def __init__(self) -> None:
+        self.sent_tokens = 0  # output tokens whose logprobs went out
+        self.offset = 0  # characters of this choice's text sent (completions text_offset)
+        self.started = False
+        self.last = None
+
+
+async def openai_stream(items, shape: Shape, include_usage: bool):
+    """SSE chunks of `items`: (choice index, event) pairs, or an ApiError that ends it."""
+    states: dict[int, _ChoiceState] = {}
+    rid = None
+    obj = "chat.completion.chunk" if shape.chat else "text_completion"
+    async for item in items:
+        if isinstance(item, ApiError):
+            yield _error(item)
             break
-        last = ev
-        if ev.delta or ev.finish_reason:
-            yield _sse({"id": f"cmpl-{ev.rid}", "object": "text_completion", "created": created,
-                        "model": model, "choices": [{
-                            "index": 0, "text": ev.delta, "logprobs": None,
-                            "finish_reason": FINISH.get(ev.finish_reason, ev.finish_reason)}]})
-    if include_usage and last is not None:
-        yield _sse({"id": f"cmpl-{last.rid}", "object": "text_completion", "created": created,
-                    "model": model, "choices": [], "usage": _usage(last)})
-    yield "data: [DONE]\n\n"
-
-
-async def chat_stream(events, model: str, created: int, include_usage: bool):
-    last, started = None, False
-    async for ev in events:
-        if isinstance(ev, ApiError):
-            yield _error(ev)
-            break
-        last = ev
-        base = {"id": f"chatcmpl-{ev.rid}", "object": "chat.completion.chunk",
-                "created": created, "model": model}
-        if not started:
-            started = True
-            yield _sse({**base, "choices": [{"index": 0, "delta": {
+        i, ev = item
+        st = states.setdefault(i, _ChoiceState())
+        rid = rid or ev.rid
+        base = {"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,
+                "model": shape.model}
+        if shape.chat and not st.started:
+            yield _sse({**base, "choices": [{"index": i, "delta": {
                 "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-        if ev.delta or ev.finish_reason:
+        first = not st.started
+        st.started, st.last = True, ev
+        new_tokens = len(ev.output_ids) > st.sent_tokens
+        echo = first and not shape.chat and shape.echo_text
+        if not (ev.delta or ev.finish_reason or echo or
+                (new_tokens and shape.logprobs is not None)):
+            continue
+        lp = _logprobs(shape, ev, st.sent_tokens, first, st.offset)
+        st.sent_tokens = len(ev.output_ids)
+        finish = FINISH.get(ev.finish_reason, ev.finish_reason)
+        if shape.chat:
             delta = {"content": ev.delta} if ev.delta else {}
-            yield _sse({**base, "choices": [{
-                "index": 0, "delta": delta, "logprobs": None,
-                "finish_reason": FINISH.get(ev.finish_reason, ev.finish_reason)}]})
-    if include_usage and last is not None:
-        yield _sse({"id": f"chatcmpl-{last.rid}", "object": "chat.completion.chunk",
-                    "created": created, "model": model, "choices": [], "usage": _usage(last)})
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            text = (shape.echo_text if first else "") + ev.delta
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+            if lp is not None:
+                st.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] \
+                    else st.offset
+        yield _sse({**base, "choices": [choice]})
+    lasts = [states[i].last for i in sorted(states)]
+    if include_usage and lasts:
+        yield _sse({"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,
+                    "model": shape.model, "choices": [], "usage": usage(lasts)})
     yield "data: [DONE]\n\n"

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from pdserve.plain_json import unsafe_reason
+from pdserve.sampling_params import MAX_LOGPROBS
 from pdserve.server.errors import ApiError
 from pdserve.server.sglang_body import BootstrapFields, SGLangGenerateFlags
 
@@ -26,6 +27,7 @@ Count = Annotated[int, Field(strict=True, gt=0, lt=I32)]
 TopK = Annotated[int, Field(strict=True, ge=-1, lt=I32)]
 Temperature = Annotated[float, Field(strict=True, ge=0)]
 TopP = Annotated[float, Field(strict=True, gt=0, le=1)]
+NumLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -67,11 +69,26 @@ class GenerateBody(_PlainJson, BootstrapFields, SGLangGenerateFlags):
     # them in: `bootstrap_room` (BootstrapFields) with `prefill_node_id` (pdserve's router)
     # or with `bootstrap_host` + `bootstrap_port` (SGLang's router).
     prefill_node_id: str | None = Field(None, max_length=256)
+    # SGLang's logprob fields (docs/architecture.md: Logprobs). logprob_start_len: first
+    # prompt position with input logprobs; -1 = none.
+    return_logprob: StrictBool = False
+    top_logprobs_num: NumLogprobs = 0
+    logprob_start_len: int = Field(-1, strict=True, ge=-1, lt=I32)
 
     def validate_input(self) -> None:
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "give exactly one of `text` or `input_ids`")
         self.check_sglang_flags()
+        if not self.return_logprob and (self.top_logprobs_num or self.logprob_start_len >= 0):
+            raise ApiError(400, "top_logprobs_num and logprob_start_len need return_logprob")
+
+    def logprob_params(self, n_prompt: int) -> dict:
+        """SamplingParams logprob fields of this request."""
+        if not self.return_logprob:
+            return {}
+        wants_prompt = 0 <= self.logprob_start_len < n_prompt
+        return {"logprobs": self.top_logprobs_num,
+                "prompt_logprobs": self.top_logprobs_num if wants_prompt else None}
 
 
 class StreamOptions(BaseModel):
@@ -92,18 +109,35 @@ class _OpenAICommon(_PlainJson, BootstrapFields):
     seed: Seed | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, strict=True, ge=1)
+    n: int = Field(1, strict=True, ge=1, lt=I32)
     ignore_eos: StrictBool = False
-    logprobs: int | bool | None = None
 
-    def check_common(self, served: str) -> None:
+    def check_common(self, served: str, max_n: int = 1) -> None:
         if self.model != served:
             raise ApiError(404, f"model {self.model!r} does not exist; this server serves "
                                 f"{served!r}", "model_not_found")
-        if self.n != 1:
-            raise ApiError(400, "only n=1 is supported")
-        if self.logprobs:
-            raise ApiError(400, "logprobs are not supported")
+        if self.n > max_n:
+            raise ApiError(400, f"n must be at most {max_n} on this server (--max-n), "
+                                f"got {self.n}")
+
+    def choice_seed(self, index: int) -> int | None:
+        """Choice `index` of an n > 1 request samples with seed + index: the choices differ
+        from each other, and the same request gives the same choices again."""
+        return None if self.seed is None else (self.seed + index) % (1 << 63)
+
+    def top_logprobs_k(self) -> int | None:
+        """Alternatives per output token, or None when no logprobs were asked for."""
+        return None
+
+    def wants_prompt_logprobs(self) -> bool:
+        return False
+
+    def sampling(self, max_tokens: int, index: int = 0) -> dict:
+        """SamplingParams fields of choice `index` (the node's and the router's)."""
+        return {"max_new_tokens": max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop,
+                "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos,
+                "seed": self.choice_seed(index)}
 
     @field_validator("stop")
     @classmethod
@@ -116,6 +150,7 @@ class _OpenAICommon(_PlainJson, BootstrapFields):
 class CompletionBody(_OpenAICommon):
     prompt: str | list[TokenId] | list[str]
     echo: StrictBool = False
+    logprobs: NumLogprobs | None = None  # alternatives per token (legacy completions)
 
     def prompt_input(self) -> str | list[int]:
         p = self.prompt
@@ -123,9 +158,13 @@ class CompletionBody(_OpenAICommon):
             if len(p) != 1:
                 raise ApiError(400, "only one prompt per request is supported")
             return p[0]
-        if self.echo:
-            raise ApiError(400, "echo is not supported")
         return p
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
 
 class ChatMessage(BaseModel):
@@ -144,11 +183,13 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True
+                    ) -> list[int]:
     """Token ids of `messages` through the model's chat template, ready for an answer.
     Template errors come from the client's messages, so they are a 400."""
     try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True,
+                                            add_generation_prompt=add_generation_prompt)
     except Exception as exc:
         raise ApiError(400, f"cannot apply the chat template: {exc}") from exc
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
@@ -159,6 +200,19 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 class ChatBody(_OpenAICommon):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
+    logprobs: StrictBool = False
+    top_logprobs: NumLogprobs | None = None
+
+    def check_common(self, served: str, max_n: int = 1) -> None:
+        super().check_common(served, max_n)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true")
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def wants_prompt_logprobs(self) -> bool:
+        return False
 
 
 def fit_max_tokens(n_prompt: int, requested: int | None, default: int, context: int,
@@ -178,3 +232,25 @@ def fit_max_tokens(n_prompt: int, requested: int | None, default: int, context: 
                             "Please reduce the prompt or max_tokens.",
                        "context_length_exceeded")
     return requested
+
+
+class TokenizeBody(_PlainJson):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` through the chat template."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give exactly one of `prompt` or `messages`")
+
+
+class DetokenizeBody(_PlainJson):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str | None = None
+    tokens: list[TokenId]

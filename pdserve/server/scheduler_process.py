@@ -120,9 +120,14 @@ class SchedulerService:
 
     @staticmethod
     def _update(req, start: int, finish: str | None) -> dict:
-        return {"rid": req.rid, "new_ids": req.output_ids[start:], "finish_reason": finish,
-                "cached_tokens": req.cached_tokens, "error": req.error,
-                "error_code": req.error_code}
+        u = {"rid": req.rid, "new_ids": req.output_ids[start:], "finish_reason": finish,
+             "cached_tokens": req.cached_tokens, "error": req.error,
+             "error_code": req.error_code}
+        if req.params.logprobs is not None:
+            u["logprobs"] = req.output_logprobs[start:len(req.output_ids)]
+        if req.params.prompt_logprobs is not None and start == 0:
+            u["prompt_logprobs"] = req.prompt_logprobs
+        return u
 
     def _maybe_stats(self) -> None:
         now = time.monotonic()

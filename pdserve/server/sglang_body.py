@@ -20,8 +20,8 @@ from pdserve.server.errors import ApiError
 # Fields of the two PD legs, carried from the body to the node's role (extra fields).
 LEG_FIELDS = ("bootstrap_room", "prefill_node_id", "bootstrap_host", "bootstrap_port")
 # SGLang /generate flags whose true value asks for something pdserve does not produce.
-UNSUPPORTED_FLAGS = ("return_logprob", "return_hidden_states", "return_entropy",
-                     "return_bytes", "background")
+# (`return_logprob` is supported: GenerateBody declares it with its companions.)
+UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "background")
 BATCHED = ("batched requests are not supported: send one prompt per request "
            "(a list of prompts, input_ids or bootstrap rooms was given)")
 

@@ -55,11 +55,18 @@ def test_batched_completion_prompts_are_a_clear_400():
         CompletionBody.model_validate({"model": "m", "prompt": [[1, 2], [3]]})
 
 
-@pytest.mark.parametrize("flag", ["return_logprob", "return_hidden_states", "background"])
+@pytest.mark.parametrize("flag", ["return_hidden_states", "return_entropy", "background"])
 def test_sglang_features_pdserve_lacks_are_400_only_when_asked_for(flag):
     GenerateBody.model_validate({"text": "a", flag: False}).validate_input()
     with pytest.raises(ApiError, match=flag):
         GenerateBody.model_validate({"text": "a", flag: True}).validate_input()
+
+
+def test_sglang_return_logprob_is_supported():
+    body = GenerateBody.model_validate({"text": "a", "return_logprob": True,
+                                        "top_logprobs_num": 2, "logprob_start_len": 0})
+    body.validate_input()
+    assert body.logprob_params(3) == {"logprobs": 2, "prompt_logprobs": 2}
 
 
 @pytest.mark.parametrize("bad", [{"bootstrap_port": 0}, {"bootstrap_port": "8999"},

@@ -216,5 +216,5 @@ def test_openai_client_surfaces_errors(client):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     assert "no-such-model" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=2)
-    assert "n=1" in e.value.body["message"]
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=17)
+    assert "at most 16" in e.value.body["message"]

@@ -1,0 +1,84 @@
+"""`n > 1`: the event streams of a request's n choices, run side by side and interleaved
+(docs/architecture.md: Logprobs). Each choice is an ordinary request of its own (the node
+batches them; seeds differ per choice, see `protocol._OpenAICommon.choice_seed`).
+
+`merge` yields `(index, event)` pairs and ends with the first `ApiError` any choice
+raises or yields; leaving it early (client gone, error) cancels every choice's task, and
+each stream's own cleanup (abort, KV release) runs then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from pdserve.server.protocol import ApiError
+
+_END = object()
+
+
+async def start_all(streams: list[AsyncIterator], started) -> list[AsyncIterator]:
+    """Start choice 0 and wait for its first event (its prompt is computed and, asked with
+    `cache_prompt`, in the prefix cache), then the others together: they reuse its prompt
+    pages instead of each computing the prompt. `started` pulls a stream's first event
+    (admission errors stay HTTP statuses); on any failure every started choice is closed."""
+    first = [await started(streams[0])]
+    tasks = [asyncio.ensure_future(started(s)) for s in streams[1:]]
+    try:
+        return first + list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        ok = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+        for s in first + ok:
+            await s.aclose()
+        raise
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    if len(streams) == 1:  # the common case: no tasks, no queue
+        async for ev in streams[0]:
+            yield ev if isinstance(ev, ApiError) else (0, ev)
+            if isinstance(ev, ApiError):
+                return
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for ev in stream:
+                await queue.put(ev if isinstance(ev, ApiError) else (i, ev))
+        except ApiError as exc:
+            await queue.put(exc)
+        except Exception as exc:  # a bug in one choice still ends the answer cleanly
+            await queue.put(ApiError(500, f"choice {i} failed: {type(exc).__name__}: {exc}"))
+        finally:
+            await queue.put(_END)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            item = await queue.get()
+            if item is _END:
+                live -= 1
+                continue
+            yield item
+            if isinstance(item, ApiError):
+                return
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def last_events(streams: list[AsyncIterator]) -> list:
+    """The final event of every choice (non-streaming answers). Raises the first ApiError;
+    None in the list: that choice produced nothing (the client went away)."""
+    last: list = [None] * len(streams)
+    async for item in merge(streams):
+        if isinstance(item, ApiError):
+            raise item
+        i, ev = item
+        last[i] = ev
+    return last
