@@ -166,3 +166,37 @@ def test_second_request_on_a_loading_prefix_knows_it_is_loading(llm):
         ids = tuple(req.prompt_ids)
         assert tuple(req.output_ids) == hf_greedy(ids, 3)
     assert_both_tiers_full(llm)
+
+
+def test_abort_during_backup_leaks_nothing(llm):
+    """A request aborted while the backup of its prefix to the host tier is still held
+    (write-through, copy gated): a finished request's pages are being backed up when a
+    second request on the same prefix is admitted and aborted mid-decode. The backup keeps
+    its nodes locked until it lands; then both tiers are full and the host copy serves."""
+    eng = llm.engine
+    cache = eng.kv.cache
+    doc = prompt(112, seed=21)
+    eng.hicache.gate.clear()
+    try:
+        llm.generate([doc + [5]], greedy(2))  # finished: its pages' backup is queued
+        assert cache._pending, "no backup was queued"
+        req = eng.add_request("backup-abort", doc + [6, 7], greedy(30))
+        for _ in range(4):
+            eng.step()
+        assert req.output_ids and cache._pending  # decoding on the prefix being backed up
+        assert eng.abort("backup-abort")
+        while eng.has_work():
+            eng.step()
+        eng.loop.drain()
+        assert cache._pending and cache.locked_pages > 0  # the held backup still locks
+    finally:
+        eng.hicache.gate.set()
+    assert_both_tiers_full(llm)
+    # The copy that landed after the abort is a real host copy: a later request hits it.
+    llm.generate([doc + [8]], greedy(2))
+    force_to_host(llm)
+    before = cache.stats["host_hit_tokens"]
+    out = llm.generate([doc + [9]], greedy(4))[0]
+    assert cache.stats["host_hit_tokens"] > before
+    assert tuple(out.output_ids) == hf_greedy(tuple(doc + [9]), 4)
+    assert_both_tiers_full(llm)

@@ -152,3 +152,47 @@ def test_pd_token_exact_smollm2(backend):
             assert cold[i].output_ids == list(want), len(SMOLLM_PROMPTS[i])
     finally:
         cluster.close()
+
+
+# -- HiCache axis: prefixes loaded back from the host tier --------------------------------
+
+
+def _to_host(engine) -> None:
+    """Evict every cached prefix from the device (write-through: the host copies stay) and
+    poison the freed device pages, so KV that was not really loaded back cannot pass."""
+    assert engine.pools_full()  # also waits for pending backups
+    engine.kv.cache.evict(engine.kv.cache.total_pages)
+    pool = engine.kv_pool
+    free = list(pool.allocator._free)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.view(pool.num_pages, engine.cfg.page_size, *buf.shape[1:])[free] = 1000.0
+
+
+@pytest.mark.parametrize("loop", ["overlap", "normal"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pd_token_exact_hicache(backend, loop):
+    """With HiCache on both sides: cold pass, then every cached prefix is forced out to the
+    host tier on both nodes (device copies poisoned) and the same prompts run again; both
+    passes equal the colocated engine token for token, the second hits the host tier on
+    the prefill and the decode side, and both tiers are full afterwards."""
+    model = TINY_MODELS[0]
+    common = {"page_size": 16, "disable_overlap": loop == "normal",
+              "enable_hierarchical_cache": True}
+    cluster = PDCluster(model, backend, prefills=[{**common, "chunked_prefill_size": 64}],
+                        decodes=[common])
+    try:
+        run_pass(cluster, 0, model, "cold")
+        for e in cluster.engines:
+            _to_host(e)
+        hits = [e.kv.cache.stats["host_hit_tokens"] for e in cluster.engines]
+        run_pass(cluster, 0, model, "loaded back from the host tier")
+        after = [e.kv.cache.stats["host_hit_tokens"] for e in cluster.engines]
+        assert all(a > h for a, h in zip(after, hits, strict=True)), (hits, after)
+        for e in cluster.engines:
+            assert e.pools_full()
+            e.kv.cache.reset()
+            s = e.memory_stats()
+            assert s["free_pages"] == s["total_pages"], s
+            assert s["host_free_pages"] == s["host_total_pages"], s
+    finally:
+        cluster.close()
