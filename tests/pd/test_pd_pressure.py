@@ -19,13 +19,19 @@ PROMPTS = [random_prompt(90 + 7 * i, seed=2000 + i) for i in range(14)]  # 90..1
 DECODE_POOL = 512  # tokens: room for about two of these requests at a time
 
 
-@pytest.mark.parametrize(("backend", "reserve"), [("mooncake", 64), ("tcp", 4)],
-                         ids=["mooncake-reserve64", "tcp-reserve4-retracts"])
-def test_decode_under_kv_pressure_queues_then_completes(backend, reserve):
+@pytest.mark.parametrize(("backend", "reserve", "hicache"),
+                         [("mooncake", 64, False), ("tcp", 4, False), ("tcp", 4, True)],
+                         ids=["mooncake-reserve64", "tcp-reserve4-retracts",
+                              "tcp-reserve4-retracts-hicache"])
+def test_decode_under_kv_pressure_queues_then_completes(backend, reserve, hicache):
+    """With HiCache on the decode node, a retracted request's KV goes to the host tier (its
+    pages are cached on retraction; write-through keeps a host copy when the device evicts
+    them) and comes back from there instead of being re-prefilled."""
     cluster = PDCluster(
         MODEL, backend, prefills=[{"page_size": 4, "chunked_prefill_size": 64}],
         decodes=[{"page_size": 4, "max_total_tokens": DECODE_POOL,
-                  "decode_reserve_tokens": reserve, "chunked_prefill_size": 64}])
+                  "decode_reserve_tokens": reserve, "chunked_prefill_size": 64,
+                  "enable_hierarchical_cache": hicache}])
     try:
         de = cluster.decodes[0]
         assert de.max_total_tokens == DECODE_POOL
@@ -51,6 +57,8 @@ def test_decode_under_kv_pressure_queues_then_completes(backend, reserve):
             assert de.sched.num_retractions > 0, "expected the decode to retract"
             assert any(leg.decode.retractions for leg in legs)
         assert de.role.mgr.metrics()["rooms_failed"] == 0
+        if hicache:
+            assert de.kv.cache.stats["host_hit_tokens"] > 0, "nothing came back from the host"
         cluster.assert_pools_full()
     finally:
         cluster.close()
