@@ -31,6 +31,9 @@ import torch
 from pdserve.memory.host_pool import HostKVPool
 from pdserve.memory.kv_pool import KVPool
 
+# Upper bounds (seconds) of the copy latency histograms, submit to done (queueing included).
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
 
 @dataclass
 class CopyOp:
@@ -60,6 +63,8 @@ class HiCacheController:
         self.timeline: deque[CopyOp] = deque(maxlen=4096)  # finished ops (tests, metrics)
         self.stats = {"backup_ops": 0, "load_ops": 0, "backup_bytes": 0, "load_bytes": 0,
                       "backup_seconds": 0.0, "load_seconds": 0.0}
+        # kind -> per-bucket counts (not cumulative) and the sum of latencies
+        self.latency = {k: ([0] * len(LATENCY_BUCKETS_S), [0.0]) for k in ("backup", "load")}
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._cuda = device.type == "cuda"
@@ -146,10 +151,32 @@ class HiCacheController:
             self.stats[f"{key}_ops"] += 1
             self.stats[f"{key}_bytes"] += op.nbytes
             self.stats[f"{key}_seconds"] += op.t_end - op.t_start
+            self._observe(op)
             self.timeline.append(op)
             with self._cv:
                 self._done_upto = op.op_id
                 self._cv.notify_all()
+
+    def _observe(self, op: CopyOp) -> None:
+        counts, total = self.latency[op.kind]
+        seconds = op.t_end - op.t_submit
+        total[0] += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS_S):
+            if seconds <= bound:
+                counts[i] += 1
+                break
+
+    def latency_histograms(self) -> dict:
+        """{kind: {"buckets": [[le, cumulative count], ...], "sum": s, "count": n}}, plain
+        lists (msgpack-safe) for /metrics; +Inf is `count`."""
+        out = {}
+        for kind, (counts, total) in self.latency.items():
+            cum, acc = [], 0
+            for bound, n in zip(LATENCY_BUCKETS_S, counts, strict=True):
+                acc += n
+                cum.append([bound, acc])
+            out[kind] = {"buckets": cum, "sum": total[0], "count": self.stats[f"{kind}_ops"]}
+        return out
 
     def _run(self, op: CopyOp) -> None:
         if self._cuda:

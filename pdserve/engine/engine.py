@@ -225,6 +225,7 @@ class Engine:
         out["host_used_pages"] = s["host_total_pages"] - s["host_free_pages"]
         out["backup_seconds"] = self.hicache.stats["backup_seconds"]
         out["load_seconds"] = self.hicache.stats["load_seconds"]
+        out["latency_s"] = self.hicache.latency_histograms()
         return out
 
     def close(self) -> None:

@@ -63,6 +63,12 @@ def _hicache_metrics(h: dict | None):
     ev.add_metric(["device"], h.get("device_evictions", 0))
     ev.add_metric(["host"], h.get("host_evictions", 0))
     yield ev
+    for kind, hist in (h.get("latency_s") or {}).items():
+        buckets = [(repr(float(le)), n) for le, n in hist["buckets"]]
+        buckets.append(("+Inf", hist["count"]))
+        yield HistogramMetricFamily(f"pdserve_hicache_{kind}_latency_seconds",
+                                    f"HiCache {kind} latency, submit to done",
+                                    buckets=buckets, sum_value=hist["sum"])
 
 
 def _role_metrics(role: dict):

@@ -63,5 +63,10 @@ def test_hicache_metrics_render():
                      "pdserve_hicache_backup_bytes_total",
                      'pdserve_hicache_evictions_total{tier="device"}'):
             assert name in text, name
+        for kind in ("backup", "load"):  # latency histograms, submit to done
+            count = f"pdserve_hicache_{kind}_latency_seconds_count "
+            line = next(x for x in text.splitlines() if x.startswith(count))
+            assert float(line.split()[-1]) == h[f"{kind}_ops"] > 0, line
+            assert f'pdserve_hicache_{kind}_latency_seconds_bucket{{le="+Inf"}}' in text
     finally:
         llm.close()
