@@ -91,10 +91,10 @@ def decode_main(conn) -> None:
 
 def _serve(conn, cmd: str, a: list, pool, mgr: list, keep: list) -> bool:
     """Run one command of the parent; False ends the child."""
-    from kv_transfer import KVManager, KVReceiver, KVTransferConfig
+    from kv_transfer import KVReceiver, KVTransferConfig, TransferManager
 
     if cmd == "manager":
-        mgr[:] = [KVManager(kv_args(pool, a[1]), "decode", KVTransferConfig(backend=a[0]))]
+        mgr[:] = [TransferManager(kv_args(pool, a[1]), "decode", KVTransferConfig(backend=a[0]))]
         conn.send(None)
     elif cmd == "recv":
         room, endpoint, dst, slot = a
@@ -150,11 +150,11 @@ def one_transfer(mgr, conn, room: int, src: list[int], dst: list[int]) -> tuple[
 
 def request_rows(backend: str, page_size: int, pool, conn, reps: int, rng,
                  raw: RawWrite | None, pair: dict) -> list[dict]:
-    from kv_transfer import KVManager, KVTransferConfig
+    from kv_transfer import KVTransferConfig, TransferManager
 
     conn.send(("manager", backend, page_size))
     recv(conn)
-    mgr = KVManager(kv_args(pool, page_size), "prefill", KVTransferConfig(backend=backend))
+    mgr = TransferManager(kv_args(pool, page_size), "prefill", KVTransferConfig(backend=backend))
     pool_pages = POOL_TOKENS // page_size
     rows = []
     try:

@@ -1,6 +1,6 @@
 """KV cache transfer between prefill and decode nodes (docs/architecture.md: KV transfer).
 
-Public API: KVTransferConfig, KVArgs/KVLayout, KVManager (one per node), KVSender
+Public API: KVTransferConfig, KVArgs/KVLayout, TransferManager (one per node), KVSender
 (prefill, one per request), KVReceiver (decode, one per request), KVPoll.
 Nothing here imports torch or the engine; buffers are raw pointers.
 """
@@ -8,12 +8,12 @@ Nothing here imports torch or the engine; buffers are raw pointers.
 from kv_transfer.args import KVArgs, KVLayout
 from kv_transfer.backends import BackendUnavailable, available_backends, mooncake_import_error
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.manager import KVManager
+from kv_transfer.manager import TransferManager
 from kv_transfer.poll import KVPoll
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 
 __all__ = [
-    "BackendUnavailable", "KVArgs", "KVLayout", "KVManager", "KVPoll", "KVReceiver",
+    "BackendUnavailable", "KVArgs", "KVLayout", "TransferManager", "KVPoll", "KVReceiver",
     "KVSender", "KVTransferConfig", "available_backends", "mooncake_import_error",
 ]

@@ -1,4 +1,4 @@
-"""One KVManager per node: registers the node's KV and metadata buffers with the transfer
+"""One TransferManager per node: registers the node's KV and metadata buffers with the transfer
 engine once, and runs the background threads that own the sockets and the engine.
 
 Threads (all daemons, all joined by close()):
@@ -32,7 +32,7 @@ Role = Literal["prefill", "decode"]
 T = TypeVar("T")
 
 
-class KVManager:
+class TransferManager:
     def __init__(self, args: KVArgs, role: Role, config: KVTransferConfig | None = None,
                  memory: HostMemory | None = None) -> None:
         """`memory`: how registered KV bytes are read and written (HostMemory by default;
@@ -146,12 +146,12 @@ class KVManager:
 
     def _prefill_control(self) -> PrefillControl:
         if self._prefill is None:
-            raise RuntimeError("KVSender needs a prefill KVManager")
+            raise RuntimeError("KVSender needs a prefill TransferManager")
         return self._prefill
 
     def _decode_control(self) -> DecodeControl:
         if self._decode is None:
-            raise RuntimeError("KVReceiver needs a decode KVManager")
+            raise RuntimeError("KVReceiver needs a decode TransferManager")
         return self._decode
 
     @property
@@ -175,7 +175,7 @@ class KVManager:
             log.warning("kv manager: a background thread did not stop within %.1fs", timeout)
         return ok
 
-    def __enter__(self) -> KVManager:
+    def __enter__(self) -> TransferManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

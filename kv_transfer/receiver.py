@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv_transfer.manager import KVManager
+from kv_transfer.manager import TransferManager
 from kv_transfer.memory import read_bytes
 from kv_transfer.poll import KVPoll, RoomStatus
 
 
 class KVReceiver:
-    def __init__(self, mgr: KVManager, room: int, peer_endpoint: str) -> None:
+    def __init__(self, mgr: TransferManager, room: int, peer_endpoint: str) -> None:
         """`peer_endpoint`: the prefill's KV control endpoint "host:port" (from the
         bootstrap registry's `kv_endpoint`)."""
         self.room = room

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv_transfer.manager import KVManager
+from kv_transfer.manager import TransferManager
 from kv_transfer.poll import KVPoll, RoomStatus
 
 
@@ -19,7 +19,7 @@ class KVSender:
     order; the last call with last=True, carrying the metadata row), and poll() until
     Success or Failed."""
 
-    def __init__(self, mgr: KVManager, room: int) -> None:
+    def __init__(self, mgr: TransferManager, room: int) -> None:
         self.room = room
         self._ctl = mgr._prefill_control()
         self._status = RoomStatus()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kv_transfer import KVArgs, KVManager, KVTransferConfig
+from kv_transfer import KVArgs, KVTransferConfig, TransferManager
 from pdserve.disagg.metadata import MetadataPool
 
 
 def make_kv_manager(engine, role: str, meta: MetadataPool, cfg: KVTransferConfig,
-                    model_name: str) -> KVManager:
+                    model_name: str) -> TransferManager:
     """The pool's per-layer K/V buffers are registered as they are: page p means the same
     bytes on every layer of both nodes (docs/architecture.md: Memory). A pool on a GPU is
     read and written through a pinned bounce buffer (docs/architecture.md: KV transfer)."""
@@ -19,4 +19,4 @@ def make_kv_manager(engine, role: str, meta: MetadataPool, cfg: KVTransferConfig
         from pdserve.disagg.bounce import BounceMemory
 
         memory = BounceMemory([*pool.k_buffers, *pool.v_buffers, meta.buffer])
-    return KVManager(args, role, cfg, memory=memory)
+    return TransferManager(args, role, cfg, memory=memory)

@@ -34,10 +34,11 @@ def _args(bufs, page_size: int, model: str):
 
 
 def _decode_child(conn, shape: tuple, page_size: int, model: str, backend: str) -> None:
-    from kv_transfer import KVManager, KVReceiver, KVTransferConfig
+    from kv_transfer import KVReceiver, KVTransferConfig, TransferManager
 
     bufs = _buffers(*shape)
-    mgr = KVManager(_args(bufs, page_size, model), "decode", KVTransferConfig(backend=backend))
+    mgr = TransferManager(_args(bufs, page_size, model), "decode",
+                          KVTransferConfig(backend=backend))
     try:
         while True:
             msg = conn.recv()
@@ -57,7 +58,7 @@ def _decode_child(conn, shape: tuple, page_size: int, model: str, backend: str) 
 def measure_transfer(layout, page_size: int, model: str, backend: str,
                      sizes: list[int], reps: int) -> dict:
     """`layout`: (layers, kv heads, head dim, dtype name). Returns the fit and the points."""
-    from kv_transfer import KVManager, KVPoll, KVSender, KVTransferConfig
+    from kv_transfer import KVPoll, KVSender, KVTransferConfig, TransferManager
 
     tokens = max(sizes) + page_size
     shape = (tokens, *layout)
@@ -67,7 +68,8 @@ def measure_transfer(layout, page_size: int, model: str, backend: str,
                        daemon=True)
     proc.start()
     bufs = _buffers(*shape)
-    mgr = KVManager(_args(bufs, page_size, model), "prefill", KVTransferConfig(backend=backend))
+    mgr = TransferManager(_args(bufs, page_size, model), "prefill",
+                          KVTransferConfig(backend=backend))
     bytes_per_token = 2 * layout[0] * layout[1] * layout[2] * bufs[0][0].element_size()
     points, rng = [], random.Random(0)
     try:

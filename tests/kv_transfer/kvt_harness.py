@@ -1,5 +1,5 @@
 """Test harness: a prefill or decode node in its own OS process, with real torch KV pools
-and a real KVManager, driven over a multiprocessing pipe by the test.
+and a real TransferManager, driven over a multiprocessing pipe by the test.
 
 The child acts like a scheduler: it polls its senders/receivers and, for senders that
 reached WaitingForInput, calls init() and sends one chunk per room per loop iteration
@@ -88,7 +88,7 @@ def _make_pools(role: str, seed: int, num_pages: int, layout: dict[str, int],
 
 def _add_manager(node: _Node, name: str, backend: str, cfg: dict[str, Any], seed: int,
                  layout: dict[str, int], dtype: str = "bfloat16") -> dict[str, Any]:
-    from kv_transfer import KVArgs, KVManager, KVTransferConfig
+    from kv_transfer import KVArgs, KVTransferConfig, TransferManager
 
     num_pages = PREFILL_PAGES if node.role == "prefill" else DECODE_PAGES
     pools = _make_pools(node.role, seed, num_pages, layout, dtype)
@@ -99,7 +99,7 @@ def _add_manager(node: _Node, name: str, backend: str, cfg: dict[str, Any], seed
         from pdserve.disagg.bounce import BounceMemory
 
         memory = BounceMemory([*pools.k, *pools.v, *pools.meta], force=True)
-    mgr = KVManager(args, node.role, KVTransferConfig(backend=backend, **cfg), memory=memory)
+    mgr = TransferManager(args, node.role, KVTransferConfig(backend=backend, **cfg), memory=memory)
     node.managers[name], node.pools[name] = mgr, pools
     return {"endpoint": mgr.endpoint, "session": mgr.transfer_session, "pid": os.getpid()}
 

@@ -166,9 +166,9 @@ def test_tcp_backend_serves_when_mooncake_cannot_be_imported(
     the mooncake backend says why and how to proceed; tcp transfers bytes exactly."""
     from kv_transfer import (
         BackendUnavailable,
-        KVManager,
         KVReceiver,
         KVSender,
+        TransferManager,
         available_backends,
         mooncake_import_error,
     )
@@ -179,9 +179,10 @@ def test_tcp_backend_serves_when_mooncake_cannot_be_imported(
     src_args, src_keep = _ctypes_args(8, fill=1)
     dst_args, dst_keep = _ctypes_args(8, fill=0)
     with pytest.raises(BackendUnavailable, match="tcp"):
-        KVManager(src_args, "prefill", KVTransferConfig(backend="mooncake"))
+        TransferManager(src_args, "prefill", KVTransferConfig(backend="mooncake"))
     cfg = KVTransferConfig(backend="tcp", checksum=True, tick_s=0.01)
-    with KVManager(src_args, "prefill", cfg) as pre, KVManager(dst_args, "decode", cfg) as dec:
+    with TransferManager(src_args, "prefill", cfg) as pre, \
+            TransferManager(dst_args, "decode", cfg) as dec:
         s, r = KVSender(pre, 9), KVReceiver(dec, 9, pre.endpoint)
         r.init([5, 6], metadata_slot=3)
         deadline = time.monotonic() + 10

@@ -1,5 +1,5 @@
 """In-process PD harness: prefill and decode engines in the test process, each with its real
-KVManager (real Mooncake / tcp transfers over loopback), stepped by the test.
+TransferManager (real Mooncake / tcp transfers over loopback), stepped by the test.
 
 A `PDCluster` holds any number of prefill and decode engines of one model and one transfer
 backend (1P1D, 1P2D, 2P1D, ...). `submit` sends a request's two legs the way the router
