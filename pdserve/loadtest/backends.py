@@ -7,13 +7,11 @@ final `usage` chunk when `stream_options.include_usage` is set. All end with `da
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.loadtest.dataset import Prompt
-
-DONE = "[DONE]"
+from pdserve.sse import DONE, SSEFormatError, parse_data_line
 
 
 @dataclass
@@ -65,17 +63,12 @@ def build_payload(spec: RequestSpec, prompt: Prompt) -> dict[str, Any]:
 
 
 def parse_sse_line(line: str) -> str | dict | None:
-    """`data: {...}` -> dict, `data: [DONE]` -> DONE; comments/blank/other fields -> None."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == DONE:
-        return DONE
+    """`data: {...}` -> dict, `data: [DONE]` -> DONE; comments/blank/other fields -> None;
+    a bad `data:` line -> {"error": ...} (counted as that request's failure)."""
     try:
-        event = json.loads(data)
-    except json.JSONDecodeError:
-        return {"error": f"bad SSE data: {data[:120]!r}"}
-    return event if isinstance(event, dict) else {"error": f"bad SSE data: {data[:120]!r}"}
+        return parse_data_line(line)
+    except SSEFormatError as exc:
+        return {"error": str(exc)}
 
 
 def error_text(obj: Any) -> str:

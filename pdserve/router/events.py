@@ -9,16 +9,15 @@ OpenAI streams with the node's own code.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from pdserve.server.logprob_format import output_entries, prompt_entries
+from pdserve.sse import DONE, SSEFormatError, parse_data_line
 
-DONE = "[DONE]"
-
-
-class StreamFormatError(ValueError):
-    """The node sent something that is not its SSE protocol."""
+# One SSE reader for the whole project (pdserve/sse.py); the router's names for it.
+StreamFormatError = SSEFormatError  # the node sent something that is not its SSE protocol
+parse_line = parse_data_line
+__all__ = ["DONE", "Event", "StreamFormatError", "parse_line", "to_event"]
 
 
 @dataclass
@@ -46,22 +45,6 @@ class Event:
                 "completion_tokens": len(self.output_ids),
                 "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason}
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
-
-
-def parse_line(line: str) -> dict | str | None:
-    """One SSE line -> a JSON object, DONE, or None (blank lines, comments, other fields)."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == DONE:
-        return DONE
-    try:
-        obj = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise StreamFormatError(f"bad SSE data {data[:80]!r}") from exc
-    if not isinstance(obj, dict):
-        raise StreamFormatError(f"bad SSE data {data[:80]!r}")
-    return obj
 
 
 def to_event(rid: str, obj: dict, previous: Event | None) -> Event:
