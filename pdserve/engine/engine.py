@@ -27,6 +27,7 @@ from pdserve.memory.host_pool import HostKVPool, host_pages_for
 from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
 from pdserve.models.loader import LoadedModel, load_model
+from pdserve.prompt_check import check_prompt_ids
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -120,14 +121,7 @@ class Engine:
         return req
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.loaded.hf_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.context_length:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context limit is "
-                             f"{self.context_length} tokens (prompt + output)")
+        check_prompt_ids(ids, self.loaded.hf_config.vocab_size, self.context_length)
         need = min(len(ids) + params.max_new_tokens, self.context_length)
         if need > self.max_total_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "

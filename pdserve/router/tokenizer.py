@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
+from pdserve.prompt_check import PromptError, check_prompt_ids
 from pdserve.server.protocol import ApiError, chat_prompt_ids
 
 log = logging.getLogger("pdserve.router")
@@ -46,14 +47,10 @@ class RouterTokenizer:
 
     def check(self, ids: list[int]) -> None:
         """The checks a node would make, made before any node is bothered."""
-        if not ids:
-            raise ApiError(400, "the prompt is empty")
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise ApiError(400, f"token ids must be in [0, {self.vocab_size})")
-        if len(ids) >= self.context_length:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but this model's context "
-                                f"length is {self.context_length} tokens",
-                           "context_length_exceeded")
+        try:
+            check_prompt_ids(ids, self.vocab_size, self.context_length)
+        except PromptError as exc:
+            raise ApiError(400, exc.message, exc.code) from None
 
     def default_max_tokens(self, ids: list[int]) -> int:
         return max(1, self.context_length - len(ids))

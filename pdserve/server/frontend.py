@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.prompt_check import PromptError, check_prompt_ids
 from pdserve.server import messages as m
 from pdserve.server.config import ServerConfig
 from pdserve.server.detokenizer import IncrementalDetokenizer
@@ -68,15 +69,10 @@ class Frontend:
         return ids
 
     def check_ids(self, ids: list[int]) -> None:
-        vocab = self.client.ready.vocab_size
-        if not ids:
-            raise ApiError(400, "the prompt is empty")
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ApiError(400, f"token ids must be in [0, {vocab})")
-        if len(ids) >= self.context_length:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but this model's context "
-                                f"length is {self.context_length} tokens",
-                           "context_length_exceeded")
+        try:
+            check_prompt_ids(ids, self.client.ready.vocab_size, self.context_length)
+        except PromptError as exc:
+            raise ApiError(400, exc.message, exc.code) from None
 
     def default_max_tokens(self, ids: list[int]) -> int:
         return max(1, min(self.context_length, self.client.ready.max_total_tokens) - len(ids))
