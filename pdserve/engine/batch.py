@@ -9,12 +9,15 @@ forward and the result processing need is copied into this object when it is bui
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from pdserve.engine.logprobs import LogprobSpec
 from pdserve.engine.request import Req
 from pdserve.engine.staging import Packed, StagingRing
+
+BatchKind = Literal["extend", "decode"]  # extend: prompt chunks (prefill); decode: 1 token each
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class Row:
 @dataclass
 class Batch:
     seq: int  # launch order, used for deferred release of pages
-    kind: str  # "extend" (prefill chunks) or "decode"
+    kind: BatchKind
     rows: tuple[Row, ...]
     packed: Packed | None = None
     generators: tuple = ()

@@ -69,7 +69,7 @@ class OverlapLoop:
         self.stats.steps += 1
         t0 = time.thread_time()
         batch = self.sched.next_batch(in_flight=bool(self.results))
-        if batch == NEED_SYNC:
+        if batch is NEED_SYNC:
             self.stats.overlap_disabled["retract"] += 1
             self._process_all()
             batch = self.sched.next_batch(in_flight=False)

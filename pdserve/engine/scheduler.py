@@ -11,19 +11,27 @@ processes those results first.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import deque
 from collections.abc import Iterable
 
 from pdserve.config import EngineConfig
-from pdserve.engine.batch import Batch, Row, pack_batch
+from pdserve.engine.batch import Batch, BatchKind, Row, pack_batch
 from pdserve.engine.future_map import FutureMap
 from pdserve.engine.kv_manager import KVManager
 from pdserve.engine.request import Req, ReqState
 from pdserve.engine.role import Role
 from pdserve.engine.staging import StagingRing
 
-NEED_SYNC = "need_sync"
+
+class Verdict(enum.Enum):
+    """What `next_batch` says when it returns no batch for a reason other than "idle"."""
+
+    NEED_SYNC = "need_sync"  # decide only after the in-flight batch's results are known
+
+
+NEED_SYNC = Verdict.NEED_SYNC
 
 
 class Scheduler:
@@ -55,7 +63,7 @@ class Scheduler:
             self.waiting.remove(req)
 
     # -- batch selection ----------------------------------------------------------------
-    def next_batch(self, in_flight: bool) -> Batch | str | None:
+    def next_batch(self, in_flight: bool) -> Batch | Verdict | None:
         self.kv.check_acks()  # HiCache copies done since the last step unlock their nodes
         rows = self._extend_rows()
         if rows:
@@ -73,7 +81,7 @@ class Scheduler:
                 return None
         return self._launchable("decode", [self._decode_row(r) for r in decoding])
 
-    def _launchable(self, kind: str, rows: list[Row]) -> Batch:
+    def _launchable(self, kind: BatchKind, rows: list[Row]) -> Batch:
         self.seq += 1
         batch = Batch(self.seq, kind, tuple(rows), load_barrier=self.kv.load_barrier())
         pack_batch(batch, self.kv.req_pool.table, self.staging, self.kv.page_size)
