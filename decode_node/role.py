@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from decode_node.state import DecodeState
 from kv_transfer import KVPoll, KVReceiver, KVTransferConfig
 from pdserve.disagg.metadata import MetadataPool, unpack_row
 from pdserve.disagg.transfer_setup import make_kv_manager
@@ -63,8 +64,7 @@ class DecodeRole(Role):
         # The prefill node computes the prompt's logprobs (and the first token's); the
         # router merges them in (docs/architecture.md: Logprobs).
         req.params.prompt_logprobs = None
-        req.room, req.meta_slot = room, None
-        req.receiver = KVReceiver(self.mgr, room, endpoint)
+        req.pd = DecodeState(room, KVReceiver(self.mgr, room, endpoint))
         self.prealloc.append(req)
 
     def has_work(self) -> bool:
@@ -74,7 +74,7 @@ class DecodeRole(Role):
         self._poll_prealloc()
         committed = self._poll_transfers()
         for req in list(self.draining):
-            if req.receiver.poll().terminal:
+            if req.pd.receiver.poll().terminal:
                 self.draining.remove(req)
                 self._free_meta(req)
                 self.engine.out.complete(req, cache_it=False)
@@ -84,10 +84,10 @@ class DecodeRole(Role):
     def _poll_prealloc(self) -> None:
         while self.prealloc:
             req = self.prealloc[0]
-            if req.receiver.poll() == KVPoll.Failed:
+            if req.pd.receiver.poll() == KVPoll.Failed:
                 self.prealloc.pop(0)
-                self._fail(req, req.receiver.failure_reason or "prefill peer failed",
-                           req.receiver.peer_fault)
+                self._fail(req, req.pd.receiver.failure_reason or "prefill peer failed",
+                           req.pd.receiver.peer_fault)
                 continue
             if not self._try_allocate(req):
                 return  # FIFO: later requests wait behind the head
@@ -110,9 +110,9 @@ class DecodeRole(Role):
         if eng.kv.extend(req, len(req.prompt_ids)) is None:
             eng.kv.release(req, cache_it=False)
             return False
-        req.meta_slot = self.meta.alloc()
+        req.pd.meta_slot = self.meta.alloc()
         first = req.cached_len // eng.cfg.page_size
-        req.receiver.init(req.pages[first:], req.meta_slot, prefix_len=req.cached_len)
+        req.pd.receiver.init(req.pages[first:], req.pd.meta_slot, prefix_len=req.cached_len)
         return True
 
     # 3. transfer queue --------------------------------------------------------------------
@@ -120,7 +120,7 @@ class DecodeRole(Role):
         """True when a transfer completed (its request now has its first token)."""
         committed = False
         for req in list(self.transferring):
-            state = req.receiver.poll()
+            state = req.pd.receiver.poll()
             if state == KVPoll.Success and self.engine.kv.loading_pages(req):
                 continue  # its cached prefix is still loading from the HiCache host tier
             if state == KVPoll.Success:
@@ -129,15 +129,15 @@ class DecodeRole(Role):
                 committed = True
             elif state == KVPoll.Failed:
                 self.transferring.remove(req)
-                self._fail(req, req.receiver.failure_reason or "KV transfer failed",
-                           req.receiver.peer_fault)
+                self._fail(req, req.pd.receiver.failure_reason or "KV transfer failed",
+                           req.pd.receiver.peer_fault)
         return committed
 
     def _commit(self, req) -> None:
-        room, token, _ = unpack_row(req.receiver.metadata()[0])
+        room, token, _ = unpack_row(req.pd.receiver.metadata()[0])
         self._free_meta(req)
-        if room != req.room:
-            self._fail(req, f"metadata row carries room {room}, expected {req.room}")
+        if room != req.pd.room:
+            self._fail(req, f"metadata row carries room {room}, expected {req.pd.room}")
             return
         req.output_ids = [token]
         if req.params.logprobs is not None:
@@ -163,19 +163,19 @@ class DecodeRole(Role):
     def hold_on_finish(self, req) -> bool:
         if req in self.prealloc:
             self.prealloc.remove(req)
-            req.receiver.abort(req.error or "aborted")
+            req.pd.receiver.abort(req.error or "aborted")
             return False
         if req in self.transferring:  # the prefill may still write into its pages
             self.transferring.remove(req)
-            req.receiver.abort(req.error or "aborted")
+            req.pd.receiver.abort(req.error or "aborted")
             self.draining.append(req)
             return True
         return False
 
     def _free_meta(self, req) -> None:
-        if req.meta_slot is not None:
-            self.meta.free(req.meta_slot)
-            req.meta_slot = None
+        if req.pd.meta_slot is not None:
+            self.meta.free(req.pd.meta_slot)
+            req.pd.meta_slot = None
 
     def stats(self) -> dict:
         return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transferring),

@@ -32,6 +32,7 @@ from pdserve.disagg.transfer_setup import make_kv_manager
 from pdserve.engine.request import ReqState
 from pdserve.engine.role import Role
 from prefill_node.bookkeeping import SendProgress
+from prefill_node.state import PrefillState
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -65,9 +66,8 @@ class PrefillRole(Role):
         if not isinstance(room, int) or not 0 <= room < 1 << 63:
             raise ValueError("a prefill node needs `bootstrap_room` (an integer in [0, 2^63))")
         req.params.max_new_tokens = 1  # the decode node generates the rest
-        req.room, req.meta_slot = room, None
-        req.progress = SendProgress(len(req.prompt_ids), self.page_size)
-        req.sender = KVSender(self.mgr, room)
+        req.pd = PrefillState(room, KVSender(self.mgr, room),
+                              SendProgress(len(req.prompt_ids), self.page_size))
         self.bootstrap.append(req)
 
     def has_work(self) -> bool:
@@ -76,28 +76,28 @@ class PrefillRole(Role):
     # 2. bootstrap and 6. inflight ----------------------------------------------------------
     def poll(self) -> bool:
         for req in list(self.bootstrap):
-            state = req.sender.poll()
+            state = req.pd.sender.poll()
             if state == KVPoll.Failed:
-                self._fail(req, req.sender.failure_reason or "decode peer failed")
+                self._fail(req, req.pd.sender.failure_reason or "decode peer failed")
             elif state >= KVPoll.WaitingForInput:
                 slot = self.meta.alloc()
                 if slot is None:
                     break  # back-pressure: no metadata row free
-                req.meta_slot = slot
-                req.sender.init(req.progress.total_pages, slot)
+                req.pd.meta_slot = slot
+                req.pd.sender.init(req.pd.progress.total_pages, slot)
                 self.bootstrap.remove(req)
                 self.live.append(req)
                 self.engine.sched.add(req)
         for req in list(self.live):
-            if req.sender.poll() == KVPoll.Failed and not req.finished:
-                self._fail(req, req.sender.failure_reason or "KV transfer failed")
+            if req.pd.sender.poll() == KVPoll.Failed and not req.finished:
+                self._fail(req, req.pd.sender.failure_reason or "KV transfer failed")
             elif req.load_op:
                 self._send_loaded(req)
         for req in list(self.inflight):
-            state = req.sender.poll()
+            state = req.pd.sender.poll()
             if state.terminal:
                 if state == KVPoll.Failed and not req.error:
-                    req.error = req.sender.failure_reason or "KV transfer failed"
+                    req.error = req.pd.sender.failure_reason or "KV transfer failed"
                 self.inflight.remove(req)
                 self._free_meta(req)
                 self.engine.out.complete(req)
@@ -116,7 +116,7 @@ class PrefillRole(Role):
     def on_admitted(self, req) -> None:
         if not self.early_send or not req.cached_len:
             return
-        pages = req.progress.early_send(req.cached_len, self.loading_pages(req))
+        pages = req.pd.progress.early_send(req.cached_len, self.loading_pages(req))
         self._send(req, pages)
         self.early_sent_pages += len(pages)
 
@@ -124,10 +124,10 @@ class PrefillRole(Role):
         """Cached pages held back because their load was pending go out, in order, as
         soon as the load is done (or with the next chunk result, whichever comes first)."""
         if (not self.early_send or req.state is not ReqState.RUNNING or req.slot is None
-                or req.progress.sent_pages >= req.cached_len // self.page_size
+                or req.pd.progress.sent_pages >= req.cached_len // self.page_size
                 or self.loading_pages(req)):
             return
-        pages = req.progress.early_send(req.cached_len)
+        pages = req.pd.progress.early_send(req.cached_len)
         self._send(req, pages)
         self.early_sent_pages += len(pages)
 
@@ -138,7 +138,7 @@ class PrefillRole(Role):
             if bool(row.future_id) != (end == len(row.req.prompt_ids)):
                 raise RuntimeError(f"row of {row.req.rid} ends at {end} but samples="
                                    f"{bool(row.future_id)}")
-            row.req.progress.chunk_scheduled(end)
+            row.req.pd.progress.chunk_scheduled(end)
 
     def on_extend_processed(self, batch) -> None:
         """The batch's forward is done: each row's chunk is sent as the bookkeeping decides
@@ -150,11 +150,11 @@ class PrefillRole(Role):
                 # for the copy thread to publish that (a few instructions).
                 self.engine.hicache.wait(req.load_op)
             aborted = req.finish_reason in ("abort", "error")
-            pages, last = req.progress.chunk_done(aborted, row_end=row.start + row.q_len)
+            pages, last = req.pd.progress.chunk_done(aborted, row_end=row.start + row.q_len)
             if last and not aborted:  # 5. the first token is known now
-                row_bytes = pack_row(req.room, req.output_ids[0])
+                row_bytes = pack_row(req.pd.room, req.output_ids[0])
                 self._guard(req, pages)
-                req.sender.send([req.pages[p] for p in pages], last=True, metadata=row_bytes)
+                req.pd.sender.send([req.pages[p] for p in pages], last=True, metadata=row_bytes)
             else:
                 self._send(req, pages)
 
@@ -164,12 +164,12 @@ class PrefillRole(Role):
         and metadata row go out right after, in `on_extend_processed`."""
         if req in self.bootstrap:  # no KV yet
             self.bootstrap.remove(req)
-            req.sender.abort(req.error or "aborted")
+            req.pd.sender.abort(req.error or "aborted")
             return False
         if req in self.live:
             self.live.remove(req)
         if req.finish_reason in ("abort", "error"):
-            req.sender.abort(req.error or req.finish_reason)
+            req.pd.sender.abort(req.error or req.finish_reason)
         self.inflight.append(req)
         return True
 
@@ -179,16 +179,16 @@ class PrefillRole(Role):
     def abort_held(self, req) -> bool:
         """An abort while the KV is being sent (inflight queue): stop the transfer so the
         decode leg fails fast; the KV is freed once the sender is terminal."""
-        if req not in self.inflight or req.sender.poll().terminal:
+        if req not in self.inflight or req.pd.sender.poll().terminal:
             return False
         req.error, req.finish_reason = "aborted", "abort"
-        req.sender.abort("aborted")
+        req.pd.sender.abort("aborted")
         return True
 
     def _send(self, req, pages: range) -> None:
         if len(pages):
             self._guard(req, pages)
-            req.sender.send([req.pages[p] for p in pages])
+            req.pd.sender.send([req.pages[p] for p in pages])
 
     def _guard(self, req, pages: range) -> None:
         """Never hand the sender a page a HiCache load is still writing: it would ship
@@ -199,9 +199,9 @@ class PrefillRole(Role):
                                f"pending: {sorted(loading.intersection(pages))}")
 
     def _free_meta(self, req) -> None:
-        if req.meta_slot is not None:
-            self.meta.free(req.meta_slot)
-            req.meta_slot = None
+        if req.pd.meta_slot is not None:
+            self.meta.free(req.pd.meta_slot)
+            req.pd.meta_slot = None
 
     def stats(self) -> dict:
         return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),

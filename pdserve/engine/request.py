@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import time
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the roles own these types; the engine only carries them
+    from decode_node.state import DecodeState
+    from prefill_node.state import PrefillState
 
 
 class ReqState(Enum):
@@ -29,6 +34,8 @@ class Req:
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                  eos_ids: list[int]) -> None:
         self.rid = rid
+        # The PD role's state (room, sender/receiver, metadata row); None when colocated.
+        self.pd: PrefillState | DecodeState | None = None
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.eos_ids = [] if params.ignore_eos else list(eos_ids)

@@ -96,7 +96,7 @@ def test_abort_prefill_in_bootstrap_queue(pd):
     assert pe.abort(leg.rid)
     pd.run(timeout=5, engines=[pe])
     assert_failed(leg.prefill, "prefill leg")
-    assert leg.prefill.slot is None and leg.prefill.meta_slot is None
+    assert leg.prefill.slot is None and leg.prefill.pd.meta_slot is None
     # The decode leg never got its pages from this room: it fails as soon as it asks.
     free_before = de.memory_stats()["free_pages"]
     elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
@@ -139,7 +139,7 @@ def test_abort_prefill_in_waiting_queue(pd):
         assert time.monotonic() < deadline, pd.dump()
         pe.role.poll()
         time.sleep(0.001)
-    assert leg.prefill.slot is None and leg.prefill.meta_slot is not None
+    assert leg.prefill.slot is None and leg.prefill.pd.meta_slot is not None
     assert pe.abort(leg.rid)
     elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
     assert_failed(leg.prefill, "prefill leg")
@@ -147,7 +147,7 @@ def test_abort_prefill_in_waiting_queue(pd):
     assert "abort" in leg.decode.error, leg.decode.error
     assert elapsed < FAST_S, f"decode leg failed after {elapsed:.2f}s"
     pd.run(timeout=10)
-    assert leg.prefill.progress.sent_pages == 0
+    assert leg.prefill.pd.progress.sent_pages == 0
     pd.assert_pools_full()
 
 
@@ -161,13 +161,13 @@ def _middle_chunk_in_flight(pe, req) -> bool:
 
 def _spy_sends(req) -> list:
     calls = []
-    real = req.sender.send
+    real = req.pd.sender.send
 
     def send(pages, last=False, metadata=None):
         calls.append((list(pages), last))
         real(pages, last, metadata)
 
-    req.sender.send = send
+    req.pd.sender.send = send
     return calls
 
 
@@ -179,11 +179,11 @@ def test_abort_mid_chunk_with_a_chunk_in_flight(pd):
     leg = pd.submit(LONG, greedy(N), p=OVERLAP)
     req = leg.prefill
     # Run until a middle chunk is in flight after at least one chunk was already sent.
-    pd.run(timeout=20, until=lambda: req.progress.sent_pages >= 4
+    pd.run(timeout=20, until=lambda: req.pd.progress.sent_pages >= 4
            and _middle_chunk_in_flight(pe, req))
-    assert req.progress.inflight_middle_chunks >= 1
-    assert leg.decode.receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
-    sent_at_abort = req.progress.sent_pages
+    assert req.pd.progress.inflight_middle_chunks >= 1
+    assert leg.decode.pd.receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
+    sent_at_abort = req.pd.progress.sent_pages
     kv_len_at_abort = req.kv_len
     calls = _spy_sends(req)
     assert pe.abort(leg.rid)
@@ -194,8 +194,8 @@ def test_abort_mid_chunk_with_a_chunk_in_flight(pd):
     pd.run(timeout=10)
     assert_failed(leg.prefill, "prefill leg")
     assert not calls, f"pages sent after the abort: {calls}"
-    assert req.progress.sent_pages == sent_at_abort
-    assert req.progress.inflight_middle_chunks == 0
+    assert req.pd.progress.sent_pages == sent_at_abort
+    assert req.pd.progress.inflight_middle_chunks == 0
     assert req.kv_len == 0 and req.slot is None  # released (kv_len was {kv_len_at_abort})
     assert kv_len_at_abort < len(LONG)
     pd.assert_pools_full()
@@ -206,17 +206,17 @@ def test_abort_between_chunks_normal_loop(pd):
     pe = pd.prefills[NORMAL]
     leg = pd.submit(LONG, greedy(N), p=NORMAL)
     req = leg.prefill
-    pd.run(timeout=20, until=lambda: req.progress.sent_pages >= 8)
-    assert not req.prefill_done and req.progress.inflight_middle_chunks == 0
+    pd.run(timeout=20, until=lambda: req.pd.progress.sent_pages >= 8)
+    assert not req.prefill_done and req.pd.progress.inflight_middle_chunks == 0
     calls = _spy_sends(req)
-    sent = req.progress.sent_pages
+    sent = req.pd.progress.sent_pages
     assert pe.abort(leg.rid)
     elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
     assert_failed(leg.decode, "decode leg")
     assert elapsed < FAST_S
     pd.run(timeout=10)
     assert_failed(leg.prefill, "prefill leg")
-    assert not calls and req.progress.sent_pages == sent
+    assert not calls and req.pd.progress.sent_pages == sent
     pd.assert_pools_full()
     check_normal_request_still_works(pd, NORMAL)
 
@@ -241,7 +241,7 @@ def test_abort_many_chunked_requests_at_different_points(pd, p):
     for leg in legs:
         assert_failed(leg.prefill, "prefill leg")
         assert_failed(leg.decode, "decode leg")
-        assert leg.prefill.progress.inflight_middle_chunks == 0
+        assert leg.prefill.pd.progress.inflight_middle_chunks == 0
         assert not calls[leg.rid], f"sent after the abort: {calls[leg.rid]}"
     pd.assert_pools_full()
 
@@ -263,7 +263,7 @@ def test_abort_decode_while_transferring(pd):
         leg = pd.submit(LONG[:150], greedy(N), p=NORMAL)
         pd.run(timeout=10, until=lambda: leg.prefill in pe.role.inflight)
         assert leg.decode in de.role.transferring
-        assert leg.prefill.sender.poll() == KVPoll.Transferring
+        assert leg.prefill.pd.sender.poll() == KVPoll.Transferring
         assert de.abort(leg.rid)
     finally:
         gate.set()
@@ -284,7 +284,7 @@ def test_abort_prefill_while_transferring(pd):
     try:
         leg = pd.submit(LONG[:150], greedy(N), p=NORMAL)
         pd.run(timeout=10, until=lambda: leg.prefill in pe.role.inflight)
-        assert leg.prefill.sender.poll() == KVPoll.Transferring
+        assert leg.prefill.pd.sender.poll() == KVPoll.Transferring
         pe.abort(leg.rid)
     finally:
         gate.set()

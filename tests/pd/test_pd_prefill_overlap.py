@@ -33,7 +33,7 @@ class PrefillProbe:
         def on_launch(batch):
             self.events.append(("launch", batch.seq, batch.kind))
             for row in batch.rows:
-                rid, n = row.req.rid, row.req.progress.inflight_chunks
+                rid, n = row.req.rid, row.req.pd.progress.inflight_chunks
                 self.max_inflight[rid] = max(self.max_inflight.get(rid, 0), n)
             return launch(batch)
 
@@ -47,13 +47,13 @@ class PrefillProbe:
 
     def watch_sends(self, req) -> None:
         """Log each send of `req` as its logical page indices (prompt order)."""
-        send = req.sender.send
+        send = req.pd.sender.send
 
         def on_send(pages, last=False, metadata=None):
             self.events.append(("send", req.rid, [req.pages.index(p) for p in pages], last))
             send(pages, last=last, metadata=metadata)
 
-        req.sender.send = on_send
+        req.pd.sender.send = on_send
 
     def index(self, kind: str, seq: int) -> int:
         return next(i for i, e in enumerate(self.events) if e[:2] == (kind, seq))
@@ -125,8 +125,8 @@ def test_two_chunks_in_flight_send_every_page_once_in_order(pd, monkeypatch):
         sends = probe.sends(leg.rid)
         assert [p for pages, _ in sends for p in pages] == list(range(-(-n // 16)))
         assert [last for _, last in sends] == [False] * (len(sends) - 1) + [True]
-        assert req.progress.inflight_middle_chunks == 0 and req.progress.inflight_chunks == 0
-        assert req.progress.sent_pages == req.progress.total_pages
+        assert req.pd.progress.inflight_middle_chunks == 0 and req.pd.progress.inflight_chunks == 0
+        assert req.pd.progress.sent_pages == req.pd.progress.total_pages
 
 
 # -- KV bytes: PD (overlap prefill, two chunks in flight) == colocated, page for page -------
