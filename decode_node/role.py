@@ -177,6 +177,9 @@ class DecodeRole(Role):
             self.meta.free(req.pd.meta_slot)
             req.pd.meta_slot = None
 
+    def registry_fields(self) -> dict:
+        return self.mgr.registry_fields()
+
     def stats(self) -> dict:
         return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transferring),
                 "free_metadata_slots": self.meta.num_free,

@@ -53,7 +53,7 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         for ids, p in zip(encoded, plist, strict=True):  # validate all before queuing any
             p.validate()
-            self.engine._check_prompt(ids, p)
+            self.engine.check_prompt(ids, p)
         rids = []
         for ids, p in zip(encoded, plist, strict=True):
             rid = f"offline-{next(self._ids)}"
@@ -63,7 +63,7 @@ class LLM:
         while self.engine.has_work():
             for req in self.engine.step():
                 by_rid[req.rid] = req
-        self.engine.loop.drain()
+        self.engine.drain()
         return [self._output(by_rid[rid]) for rid in rids]
 
     @staticmethod

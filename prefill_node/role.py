@@ -203,6 +203,9 @@ class PrefillRole(Role):
             self.meta.free(req.pd.meta_slot)
             req.pd.meta_slot = None
 
+    def registry_fields(self) -> dict:
+        return self.mgr.registry_fields()
+
     def stats(self) -> dict:
         return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),
                 "free_metadata_slots": self.meta.num_free,

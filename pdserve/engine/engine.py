@@ -111,7 +111,7 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         params.validate()
-        self._check_prompt(prompt_ids, params)
+        self.check_prompt(prompt_ids, params)
         req = Req(rid, prompt_ids, params, self.loaded.eos_token_ids)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
@@ -120,7 +120,8 @@ class Engine:
         self.requests[rid] = req
         return req
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (PromptError) for a prompt this engine cannot serve."""
         check_prompt_ids(ids, self.loaded.hf_config.vocab_size, self.context_length)
         need = min(len(ids) + params.max_new_tokens, self.context_length)
         if need > self.max_total_tokens:
@@ -146,7 +147,7 @@ class Engine:
 
     def has_runnable(self) -> bool:
         """Work the scheduler can do now (as opposed to waiting on a transfer)."""
-        return self.sched.has_work() or bool(getattr(self.loop, "results", None))
+        return self.sched.has_work() or self.loop.in_flight() > 0
 
     def poll_role(self) -> bool:
         """Advance the role's queues; True when requests got new output tokens there."""
@@ -177,17 +178,19 @@ class Engine:
         for req in list(self.sched.running) + list(self.sched.waiting):
             req.error = message
             self.out.finish(req, "error", cache_it=False)
-        results = getattr(self.loop, "results", None)
-        if results:
-            results.clear()
+        self.loop.discard()
         self.out.mark_idle()
 
     def run_until_idle(self) -> list[Req]:
         done: list[Req] = []
         while self.has_work():
             done.extend(self.step())
-        self.loop.drain()
+        self.drain()
         return done
+
+    def drain(self) -> None:
+        """Process every launched batch's results (the overlap loop may hold some)."""
+        self.loop.drain()
 
     # -- introspection ---------------------------------------------------------------------
     def describe(self) -> dict:

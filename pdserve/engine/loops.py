@@ -55,6 +55,13 @@ class NormalLoop:
     def drain(self) -> None:
         self.out.mark_idle()
 
+    def in_flight(self) -> int:
+        """Launched batches whose results are not processed yet (never any here)."""
+        return 0
+
+    def discard(self) -> None:
+        """Drop unprocessed results (after a failed step); nothing to drop here."""
+
 
 class OverlapLoop:
     def __init__(self, sched: Scheduler, executor: ThreadedExecutor, out: OutputProcessor,
@@ -102,3 +109,9 @@ class OverlapLoop:
     def drain(self) -> None:
         self._process_all()
         self.out.mark_idle()
+
+    def in_flight(self) -> int:
+        return len(self.results)
+
+    def discard(self) -> None:
+        self.results.clear()

@@ -63,6 +63,10 @@ class Role:
         """Abort a finished request whose KV the role still holds (e.g. being sent)."""
         return False
 
+    def registry_fields(self) -> dict:
+        """The transfer part of this node's registry record ({} on a colocated node)."""
+        return {}
+
     def stats(self) -> dict:
         return {}
 

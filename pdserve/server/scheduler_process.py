@@ -35,8 +35,7 @@ class SchedulerService:
 
     def ready_message(self) -> m.Ready:
         e = self.engine
-        mgr = getattr(e.role, "mgr", None)
-        kv_info = mgr.registry_fields() if mgr is not None else {}
+        kv_info = e.role.registry_fields()
         return m.Ready(self.cfg.model_name, e.context_length, e.loaded.hf_config.vocab_size,
                        e.max_total_tokens, self.cfg.engine.page_size, kv_info, e.describe())
 
