@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pdserve.flags import add_dataclass_flags, values_from
 
 if TYPE_CHECKING:  # torch is imported lazily: light processes (registry, router) skip it
     import torch
@@ -93,21 +95,11 @@ class EngineConfig:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """Register one flag per field (booleans as store_true)."""
-        group = parser.add_argument_group("engine")
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                group.add_argument(flag, action="store_true", help=_HELP.get(f.name, ""))
-            else:
-                typ = {"int": int, "float": float}.get(str(f.type), str)
-                group.add_argument(
-                    flag, type=typ, default=f.default,
-                    help=f"{_HELP.get(f.name, '')} (default: {f.default!r})",
-                )
+        add_dataclass_flags(parser, cls, "engine", help=_HELP, show_default=True)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        return cls(**values_from(cls, args))
 
 
 def physical_memory_bytes() -> int:

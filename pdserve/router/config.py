@@ -7,17 +7,17 @@ drift apart: `add_cli_args` walks the fields, `from_cli` reads them back.
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from pdserve.flags import add_dataclass_flags, opt, values_from
 from pdserve.http_guard import HttpLimits
 from pdserve.tokens import read_token_file
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
+_opt = opt  # short name for the field list below
 
 
 @dataclass(frozen=True)
@@ -101,22 +101,11 @@ class RouterConfig:
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group("router")
-        for f in fields(RouterConfig):
-            if f.type in (bool, "bool"):
-                g.add_argument("--" + f.name.replace("_", "-"), action="store_true",
-                               help=f.metadata["help"])
-                continue
-            kind = f.type if isinstance(f.type, type) else {"int": int, "float": float}.get(
-                f.type, str)
-            extra = {k: v for k, v in f.metadata.items() if k != "help"}
-            assert f.default is not MISSING
-            g.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                           help=f.metadata["help"], **extra)
+        add_dataclass_flags(p, RouterConfig, "router")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> RouterConfig:
-        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        values = values_from(cls, args)
         token = read_token_file(values["registry_token_file"], "--registry-token-file")
         if token is not None:
             values["registry_token"] = token

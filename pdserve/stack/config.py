@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 
+from pdserve.flags import add_dataclass_flags, opt, values_from
 from pdserve.tokens import read_token_file
 
 TRANSFER_BACKENDS = ("", "mooncake", "tcp")
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
+_opt = opt  # short name for the field lists below
 
 
 @dataclass(frozen=True)
@@ -85,19 +85,11 @@ DEMO_STACK_DEFAULTS = {"model": "smollm2-135m", "port": 0}
 
 def add_flags(p: argparse.ArgumentParser, cls: type, title: str,
               defaults: dict | None = None, skip: tuple[str, ...] = ()) -> None:
-    g = p.add_argument_group(title)
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        default = (defaults or {}).get(f.name, f.default)
-        kind = {"int": int, "float": float}.get(f.type, str) if isinstance(f.type, str) else f.type
-        extra = {k: v for k, v in f.metadata.items() if k != "help"}
-        g.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
-                       help=f.metadata["help"], **extra)
+    add_dataclass_flags(p, cls, title, defaults=defaults, skip=skip)
 
 
 def stack_from_cli(args: argparse.Namespace, **overrides) -> StackConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(StackConfig)}
+    values = values_from(StackConfig, args)
     token = read_token_file(values["registry_token_file"], "--registry-token-file")
     if token is not None:
         values["registry_token"] = token
@@ -105,5 +97,5 @@ def stack_from_cli(args: argparse.Namespace, **overrides) -> StackConfig:
 
 
 def demo_from_cli(args: argparse.Namespace) -> DemoConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if f.name != "stack"}
+    values = values_from(DemoConfig, args, skip=("stack",))
     return DemoConfig(stack=stack_from_cli(args), **values)
