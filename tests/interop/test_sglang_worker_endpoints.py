@@ -39,8 +39,12 @@ def test_flush_cache_frees_cached_prefixes(node):
     r = httpx.post(f"{node.url}/generate", timeout=60, json={
         "input_ids": list(range(100, 180)), "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200, r.text
-    s = node.wait_pools_full()
-    assert s["free_pages"] < s["total_pages"], s  # the prompt's pages are cached
+    # The prompt's pages are cached (stats refresh every 0.25 s: the first read may predate
+    # the request).
+    deadline = time.monotonic() + 10
+    while (s := node.wait_pools_full())["free_pages"] == s["total_pages"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.1)
     assert httpx.post(f"{node.url}/flush_cache", timeout=10).status_code == 200
     deadline = time.monotonic() + 10
     while (s := node.info()["stats"])["free_pages"] != s["total_pages"]:
