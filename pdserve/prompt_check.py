@@ -21,6 +21,6 @@ def check_prompt_ids(ids: list[int], vocab_size: int, context_length: int) -> No
     if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in ids):
         raise PromptError(f"prompt token ids must be integers in [0, {vocab_size})")
     if len(ids) >= context_length:
-        raise PromptError(f"the prompt has {len(ids)} tokens but this model's context limit "
+        raise PromptError(f"the prompt has {len(ids)} tokens but this model's context length "
                           f"is {context_length} tokens (prompt + output)",
                           "context_length_exceeded")

@@ -28,8 +28,8 @@ def _still_works(llm) -> None:
 BAD_PROMPTS = {
     "empty-string": ("", "prompt is empty"),
     "empty-ids": ([[]], "prompt is empty"),
-    "at-context": ([random_prompt(CTX, seed=2)], "context limit"),
-    "over-context": ([random_prompt(CTX + 40, seed=2)], "context limit"),
+    "at-context": ([random_prompt(CTX, seed=2)], "context length"),
+    "over-context": ([random_prompt(CTX + 40, seed=2)], "context length"),
     "id-over-vocab": ([[5, 49152]], "token ids"),
     "negative-id": ([[5, -1]], "token ids"),
 }
