@@ -192,10 +192,11 @@ def test_kill9_decode_mid_transfer(stack, backend):
     prefill, decode = stack.node("prefill", backend), stack.node("decode", backend)
     prompts = [random_prompt(1800, seed=5200 + i) for i in range(12)]
     reqs = [PDRequest(prefill, decode, p, GREEDY).start() for p in prompts]
-    # Wait until the prefill has requests whose chunks are being sent (inflight queue).
+    # Wait until the decode has pre-allocated and waits for KV (its transfer queue): the
+    # prefill node is computing and sending those requests' pages.
     deadline = time.monotonic() + 90
-    while prefill.stats().get("role", {}).get("inflight_queue", 0) < 1:
-        assert time.monotonic() < deadline, (prefill.info(), [
+    while decode.stats().get("role", {}).get("transfer_queue", 0) < 1:
+        assert time.monotonic() < deadline, (decode.info(), [
             (r.results.get("prefill"), r.results.get("decode")) for r in reqs])
         time.sleep(0.02)
     decode.kill9()
