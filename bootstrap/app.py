@@ -34,7 +34,7 @@ from bootstrap.record import (
 from bootstrap.store.base import NodeStore, StoreUnavailable
 
 log = logging.getLogger("pdserve.registry")
-# Every answer under /v1/nodes names the store's epoch (NodeStore.epoch): a reader that sees
+# Every read under /v1/nodes names the store's epoch (NodeStore.epoch): a reader that sees
 # it change knows the registry forgot its records, rather than the nodes leaving.
 EPOCH_HEADER = "x-registry-epoch"
 
@@ -85,7 +85,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
     @app.middleware("http")
     async def epoch_header(request: Request, call_next):
         response = await call_next(request)
-        if request.url.path.startswith("/v1/nodes"):
+        if request.method == "GET" and request.url.path.startswith("/v1/nodes"):
             with contextlib.suppress(StoreUnavailable):
                 response.headers[EPOCH_HEADER] = await run_in_threadpool(store.epoch)
         return response

@@ -75,10 +75,7 @@ class Stitcher:
         detok = self._detok
         assert detok is not None
         delta = detok.add(new, finished=event.finish_reason is not None)
-        finish = event.finish_reason
-        if self.stop and finish is None and any(s in detok.tokenizer.decode(
-                detok.ids, skip_special_tokens=True) for s in self.stop):
-            finish = "stop"
+        finish = event.finish_reason or ("stop" if detok.stopped else None)
         ids = list(self.base.output_ids) + list(event.output_ids)
         return Event(event.rid, delta, detok.emitted, ids, self.base.prompt_tokens,
                      self.base.cached_tokens, finish, {**event.meta, "migrated": True})

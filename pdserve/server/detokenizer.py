@@ -16,6 +16,7 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.emitted = ""
+        self.stopped = False  # a stop string was found: the text ends before it
 
     def add(self, new_ids: list[int], finished: bool) -> str:
         """Append ids; return the text that may be shown now (a delta)."""
@@ -24,7 +25,7 @@ class IncrementalDetokenizer:
         if self.stop:
             cut = [text.find(s) for s in self.stop if s in text]
             if cut:
-                text, finished = text[: min(cut)], True
+                text, finished, self.stopped = text[: min(cut)], True, True
         if not finished:
             while text.endswith("\ufffd"):
                 text = text[:-1]

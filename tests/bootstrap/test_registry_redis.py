@@ -74,6 +74,7 @@ def test_ttl_is_a_redis_expiry_and_keys_stay_under_the_prefix(
     assert httpx.put(url, json=record, headers={"Authorization": "Bearer t"}).status_code == 201
     key = f"{redis_prefix.prefix}node:{record['node_id']}"
     assert 4000 < redis_prefix.client.pttl(key) <= 5000  # Redis itself forgets dead nodes
+    assert httpx.get(f"{registry.url}/v1/nodes").status_code == 200  # a read: the epoch
     assert set(redis_prefix.keys()) == {key, f"{redis_prefix.prefix}index",
                                         f"{redis_prefix.prefix}epoch"}
     assert redis_prefix.client.pttl(f"{redis_prefix.prefix}epoch") == -1  # never expires
