@@ -122,8 +122,8 @@ async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: 
         if kind == "kill_registry":
             victim: Member | None = cluster.members["registry"]
         else:
-            role = "prefill" if kind == "kill_prefill" else rng.choice(["prefill", "decode"]) \
-                if kind == "pause_node" else "decode"
+            role = {"kill_prefill": "prefill", "kill_decode": "decode"}.get(kind) \
+                or rng.choice(["prefill", "decode"])  # pause_node: either role
             victim = await asyncio.to_thread(pick_victim, cluster, role, rng)
         if victim is None:
             log[f"{kind}_skipped"] += 1
