@@ -23,6 +23,7 @@ from _common import base_parser, print_table, write_json  # noqa: E402
 from pdserve.memory.kv_pool import KVLayout, KVPool  # noqa: E402
 from pdserve.models.llama import AttnMeta  # noqa: E402
 from pdserve.models.loader import load_model  # noqa: E402
+from pdserve.models.ops import choose_ops  # noqa: E402
 
 PAGE = 16
 
@@ -54,13 +55,16 @@ def meta_for(rows: int, q_len: int, ctx: int) -> tuple[AttnMeta, torch.Tensor, t
     key_pos = torch.arange(pages * PAGE)
     mask = (key_pos.view(1, 1, -1) <= q_pos.view(rows, q_len, 1)).unsqueeze(1)
     meta = AttnMeta(out_cache_loc=slots[:, ctx - q_len:].reshape(-1), kv_pages=kv_pages,
-                    mask=mask, q_index=None, batch=rows, max_q=q_len, page_size=PAGE)
+                    mask=mask, q_index=None, batch=rows, max_q=q_len, page_size=PAGE,
+                    seq_lens=torch.full((rows,), ctx) if q_len == 1 else None)
     return meta, q_pos.reshape(-1), torch.arange(q_len - 1, rows * q_len, q_len)
 
 
-def measure(model_name: str, dtype: str, batches: list[int], ctx: int, prompt: int,
-            reps: int, bw: float) -> list[dict]:
+def measure(model_name: str, dtype: str, kernels: list[str], batches: list[int], ctx: int,
+            prompt: int, reps: int, bw: float) -> list[dict]:
+    """Each shape is timed with every kernel set right after the other (noise is shared)."""
     loaded = load_model(model_name, dtype, torch.device("cpu"))
+    ops = {k: choose_ops(k, torch.device("cpu")) for k in kernels}
     model, cfg = loaded.model, loaded.hf_config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -71,16 +75,20 @@ def measure(model_name: str, dtype: str, batches: list[int], ctx: int, prompt: i
     for b in batches:
         meta, pos, last = meta_for(b, 1, ctx)
         ids = torch.randint(100, 1000, (b,))
-        step = best_of(lambda: model(ids, pos, meta, pool, last), reps)  # noqa: B023
-        rows.append({"dtype": dtype, "phase": "decode", "batch": b, "ctx": ctx,
-                     "ms": 1e3 * step, "tok_s": b / step,
-                     "weight_gbs": weight_bytes / 1e9 / step,
-                     "of_memcpy": weight_bytes / (1 << 30) / step / bw})
+        for k, choice in ops.items():
+            model.ops = choice.ops
+            step = best_of(lambda: model(ids, pos, meta, pool, last), reps)  # noqa: B023
+            rows.append({"dtype": dtype, "kernels": k, "phase": "decode", "batch": b,
+                         "ctx": ctx, "ms": 1e3 * step, "tok_s": b / step,
+                         "weight_gbs": weight_bytes / 1e9 / step,
+                         "of_memcpy": weight_bytes / (1 << 30) / step / bw})
     meta, pos, last = meta_for(1, prompt, prompt)
     ids = torch.randint(100, 1000, (prompt,))
-    t = best_of(lambda: model(ids, pos, meta, pool, last[-1:]), max(2, reps // 5))
-    rows.append({"dtype": dtype, "phase": "prefill", "batch": 1, "ctx": prompt,
-                 "ms": 1e3 * t, "tok_s": prompt / t})
+    for k, choice in ops.items():
+        model.ops = choice.ops
+        t = best_of(lambda: model(ids, pos, meta, pool, last[-1:]), max(2, reps // 5))
+        rows.append({"dtype": dtype, "kernels": k, "phase": "prefill", "batch": 1,
+                     "ctx": prompt, "ms": 1e3 * t, "tok_s": prompt / t})
     return rows
 
 
@@ -88,6 +96,8 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--kernels", default="torch,native",
+                   help="decoder ops to compare (pdserve/models/ops.py)")
     p.add_argument("--ctx", type=int, default=320, help="context tokens of each decode row")
     p.add_argument("--prompt", type=int, default=1024, help="prefill prompt tokens")
     args = p.parse_args()
@@ -96,17 +106,19 @@ def main() -> None:
     bw = memcpy_read_gbs()
     rows = []
     for dtype in args.dtypes.split(","):
-        rows += measure(args.model, dtype, batches, args.ctx, args.prompt, reps, bw)
+        rows += measure(args.model, dtype, args.kernels.split(","), batches, args.ctx,
+                        args.prompt, reps, bw)
     print(f"memcpy read bandwidth: {bw:.1f} GiB/s   threads: {torch.get_num_threads()}")
-    print_table(rows, ["dtype", "phase", "batch", "ctx", "ms", "tok_s", "weight_gbs",
+    print_table(rows, ["dtype", "kernels", "phase", "batch", "ctx", "ms", "tok_s", "weight_gbs",
                        "of_memcpy"])
     summary = {"memcpy_gibs": bw}
     for r in rows:
-        summary[f"{r['dtype']}_{r['phase']}_b{r['batch']}_ms"] = r["ms"]
+        key = f"{r['dtype']}_{r['kernels']}"
+        summary[f"{key}_{r['phase']}_b{r['batch']}_ms"] = r["ms"]
         if r["phase"] == "decode" and r["batch"] == 1:
-            summary[f"{r['dtype']}_decode_b1_of_memcpy"] = r["of_memcpy"]
+            summary[f"{key}_decode_b1_of_memcpy"] = r["of_memcpy"]
         if r["phase"] == "prefill":
-            summary[f"{r['dtype']}_prefill_tok_s"] = r["tok_s"]
+            summary[f"{key}_prefill_tok_s"] = r["tok_s"]
     write_json(args.out, summary, rows, args)
 
 

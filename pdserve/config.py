@@ -20,6 +20,7 @@ class EngineConfig:
     model: str = "tiny-llama"
     dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # auto = cuda when available, else cpu
+    kernels: str = "auto"  # auto | native | torch (see pdserve/models/ops.py)
     page_size: int = 16
     max_running_requests: int = 64
     max_total_tokens: int = 0  # KV pool size in tokens; 0 = derive from --kv-cache-mb
@@ -60,6 +61,8 @@ class EngineConfig:
                              f"{self.consecutive_prefill!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
+        if self.kernels not in ("auto", "native", "torch"):
+            raise ValueError(f"kernels must be auto|native|torch, got {self.kernels!r}")
         if self.loop not in ("auto", "overlap", "normal"):
             raise ValueError(f"loop must be auto|overlap|normal, got {self.loop!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -116,6 +119,9 @@ _HELP = {
     "model": "built-in name (smollm2-135m, tiny-llama, tiny-qwen2) or a local HF folder",
     "dtype": "weight and KV dtype: auto|bfloat16|float16|float32",
     "device": "auto|cpu|cuda[:N]",
+    "kernels": "decoder-layer ops: native (fused CPU kernels, built once with the C++ "
+               "compiler), torch (plain PyTorch), or auto (native on CPU when they build, "
+               "else torch)",
     "page_size": "tokens per KV page",
     "max_running_requests": "most requests in the running batch",
     "max_total_tokens": "KV pool size in tokens (0: from --kv-cache-mb)",

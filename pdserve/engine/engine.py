@@ -27,6 +27,7 @@ from pdserve.memory.host_pool import HostKVPool, host_pages_for
 from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
 from pdserve.models.loader import LoadedModel, load_model
+from pdserve.models.ops import choose_ops
 from pdserve.prompt_check import check_prompt_ids
 from pdserve.sampling_params import SamplingParams
 
@@ -46,6 +47,9 @@ class Engine:
         self.device = cfg.torch_device()
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, self.device,
                                               cfg.model_cache_dir)
+        self.ops_choice = choose_ops(cfg.kernels, self.device)
+        self.loaded.model.ops = self.ops_choice.ops
+        log.info("decoder ops: %s (%s)", self.ops_choice.kind, self.ops_choice.reason)
         self.tokenizer = load_tokenizer(self.loaded.path)
         hf = self.loaded.hf_config
         self.context_length = min(cfg.context_length or self.loaded.context_length,
@@ -196,6 +200,7 @@ class Engine:
     def describe(self) -> dict:
         """What this engine runs, for /server_info and logs."""
         return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
+                "kernels": self.ops_choice.kind, "kernels_reason": self.ops_choice.reason,
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,
                 "max_total_tokens": self.max_total_tokens,

@@ -50,9 +50,11 @@ class ModelRunner:
         # row's context; padded query rows see key 0 only (no NaN).
         mask = (key_pos.view(1, 1, lk) <= t["q_pos"].view(b, lq, 1)).unsqueeze(1)
         uniform = t["input_ids"].shape[0] == b * lq
+        decode = uniform and lq == 1  # one new token per row: attend from the pool in place
         meta = AttnMeta(
             out_cache_loc=t["out_cache_loc"], kv_pages=t["kv_pages"], mask=mask,
             q_index=None if uniform else t["q_index"], batch=b, max_q=lq, page_size=ps,
+            seq_lens=t["q_pos"][:, 0] + 1 if decode else None,
             layer_wait=functools.partial(self._wait_layer, op_id=batch.load_barrier)
             if batch.load_barrier else None,
         )

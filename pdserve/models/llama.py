@@ -6,10 +6,13 @@ load), so a layer runs 4 matmuls instead of 7: fewer, larger GEMMs are what a CP
 a GPU at small batch) runs efficiently.
 
 Attention reads and writes the paged KV pool (docs/architecture.md, "Memory"): the new
-tokens' K/V are copied into their slots, then each request's context is gathered *by
-page* (one contiguous `page_size x Hkv x D` block per page, not one row per token) and
-fed to torch SDPA with a padded [B, 1, Lq, Lk] mask. The index tensors are built once per
-forward (`AttnMeta`) and shared by every layer.
+tokens' K/V are written into their slots; a decode batch (one new token per row) then
+attends straight from the pool when the ops have a paged decode kernel (the native CPU
+kernels), and every other batch gathers each request's context *by page* (one contiguous
+`page_size x Hkv x D` block per page) into SDPA with a padded [B, 1, Lq, Lk] mask. The
+index tensors are built once per forward (`AttnMeta`) and shared by every layer. The small
+ops (norms, rope, SiLU) come from `self.ops` (pdserve/models/ops.py): torch reference ops
+or the fused CPU kernels, chosen by `--kernels`.
 
 Shapes: T = new tokens in the batch, B = requests, Lq = longest new-token run,
 Lk = gathered context (pages x page_size), H / Hkv = query / KV heads, D = head dim.
@@ -24,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.models.ops import TorchOps
 from pdserve.models.rope import RotaryEmbedding
+
+TORCH_OPS = TorchOps()
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -46,23 +52,25 @@ class AttnMeta:
     batch: int
     max_q: int
     page_size: int
+    # [B] context length incl. the new token, set when every row has exactly one new token
+    # (a decode batch): lets the ops read the paged pool in place (`ops.decode_attention`).
+    seq_lens: torch.Tensor | None = None
     # HiCache: called with the layer id before the layer touches the pool, so a forward
     # waits only for the layers of a pending host->device load it is about to read.
     layer_wait: Callable[[int], None] | None = None
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the backbone applies it through its ops (`ops.rms_norm`), so the
+    fused residual-add + norm can run as one kernel. `forward` is the reference (qk-norm)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as HF: normalise in fp32, scale in the input dtype.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return TORCH_OPS.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -84,35 +92,42 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, meta: AttnMeta, kv_pool) -> torch.Tensor:
+    def forward(self, x, cos, sin, meta: AttnMeta, kv_pool, ops: TorchOps) -> torch.Tensor:
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
-        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv:]
         if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
-        q, k = qk[:, :h], qk[:, h:]
+            qkv = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + hkv]),
+                             qkv[:, h + hkv:]), dim=1)
         if meta.layer_wait is not None:
-            meta.layer_wait(self.layer_id)
+            meta.layer_wait(self.layer_id)  # HiCache: this layer's pages are loaded
         k_buf, v_buf = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
-        k_buf.index_copy_(0, meta.out_cache_loc, k)
-        v_buf.index_copy_(0, meta.out_cache_loc, v)
-        keys, values = _gather_pages(k_buf, meta), _gather_pages(v_buf, meta)
-        b, lq = meta.batch, meta.max_q
-        if meta.q_index is None:
-            qp = q.reshape(b, lq, h, d)
-        else:
-            qp = q.new_zeros(b * lq, h, d)
-            qp[meta.q_index] = q
-            qp = qp.view(b, lq, h, d)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=self.scale,
-            enable_gqa=h != hkv,
-        )  # [B, H, Lq, D]
-        out = out.transpose(1, 2).reshape(b * lq, h * d)
-        if meta.q_index is not None:
-            out = out[meta.q_index]
-        return self.o_proj(out)
+        q = ops.rope_and_store(qkv, cos, sin, k_buf, v_buf, meta.out_cache_loc, h, hkv)
+        if meta.seq_lens is not None and ops.paged_decode(h, hkv, d):
+            out = ops.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens,
+                                       meta.page_size, self.scale)  # [B, H, D], T == B
+            return self.o_proj(out.view(t, h * d))
+        return self.o_proj(_padded_attention(q, k_buf, v_buf, meta, self.scale))
+
+
+def _padded_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                      meta: AttnMeta, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [T, H*D]: gathers each row's context pages and runs SDPA over the
+    padded [B, H, Lq, Lk] layout (the general path: prefill, chunks, mixed lengths)."""
+    h, d = q.shape[1:]
+    keys, values = _gather_pages(k_buf, meta), _gather_pages(v_buf, meta)
+    b, lq = meta.batch, meta.max_q
+    if meta.q_index is None:
+        qp = q.reshape(b, lq, h, d)
+    else:
+        qp = q.new_zeros(b * lq, h, d)
+        qp[meta.q_index] = q
+        qp = qp.view(b, lq, h, d)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
+        enable_gqa=h != keys.shape[1],
+    )  # [B, H, Lq, D]
+    out = out.transpose(1, 2).reshape(b * lq, h * d)
+    return out if meta.q_index is None else out[meta.q_index]
 
 
 def _gather_pages(buf: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
@@ -124,25 +139,15 @@ def _gather_pages(buf: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
     return paged[meta.kv_pages].view(b, pages * meta.page_size, hkv, d).transpose(1, 2)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos: [T, D]; sin: [T, D] with its first half negated (see
-    `RotaryEmbedding`), so HF's `x*cos + rotate_half(x)*sin` is one swap of halves."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + swapped * sin.unsqueeze(1)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)  # gate; up
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -153,9 +158,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, kv_pool):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, cos, sin, meta, kv_pool, ops: TorchOps) -> torch.Tensor:
+        """h = input_layernorm(residual) on entry; adds attention and MLP to `residual` in
+        place (HF: x = x + attn(norm(x)); x = x + mlp(norm(x))) and returns the MLP output,
+        which the next layer's fused add + norm folds in."""
+        a = self.self_attn(h, cos, sin, meta, kv_pool, ops)
+        norm = self.post_attention_layernorm
+        return self.mlp(ops.add_rms_norm(a, residual, norm.weight, norm.eps), ops)
 
 
 class Backbone(nn.Module):
@@ -177,13 +186,23 @@ class CausalLM(nn.Module):
         if not self.tie:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
+        self.ops: TorchOps = TORCH_OPS  # the loader swaps in NativeOps (pdserve/models/ops.py)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttnMeta, kv_pool, logit_rows) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, kv_pool)
-        x = self.model.norm(x[logit_rows])
+        ops, layers = self.ops, self.model.layers
+        residual = self.model.embed_tokens(input_ids)  # [T, hidden], the residual stream
+        cos, sin = self.rotary(positions, residual.dtype)
+        first = layers[0].input_layernorm
+        h = ops.rms_norm(residual, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            m = layer(h, residual, cos, sin, meta, kv_pool, ops)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1].input_layernorm
+                h = ops.add_rms_norm(m, residual, nxt.weight, nxt.eps)
+            else:
+                residual.add_(m)
+        norm = self.model.norm
+        x = ops.rms_norm(residual[logit_rows], norm.weight, norm.eps)
         weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
         return F.linear(x, weight).float()

@@ -89,13 +89,14 @@ def test_load_for_next_batch_overlaps_the_running_forward(llm):
     force_to_host(llm)
     runner, ctrl = eng.executor.runner, eng.hicache
     real_run, held = runner.run, {}
+    loads_before = ctrl.stats["load_ops"]  # the engine is shared with the module's other tests
 
     def run(batch):
-        if not held:  # forward N: keep it running until the load for N+1 has started
+        if not held:  # forward N: keep it running until the load for N+1 has run (waiting
+            # only for its submission left the start to the copy thread's wake-up time)
             held["seq"] = batch.seq
             deadline = time.monotonic() + 60
-            while ctrl.stats["load_ops"] == 0 and not ctrl.is_loading() \
-                    and time.monotonic() < deadline:
+            while ctrl.stats["load_ops"] == loads_before and time.monotonic() < deadline:
                 time.sleep(0.001)
         return real_run(batch)
 

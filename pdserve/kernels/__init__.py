@@ -1,0 +1,64 @@
+"""Builds and loads pdserve's fused CPU kernels (cpu_ops.cpp) as a torch C++ extension.
+
+The extension is compiled once per machine, source and torch version, into
+`~/.cache/pdserve/kernels/<hash>/` (`python -m pdserve.kernels` builds it ahead of time;
+scripts/setup.sh does). It needs a C++ compiler and `ninja`; where either is missing or the
+build fails, `load_cpu_ops()` returns None with the reason in `build_error()`, and the model
+runs its torch reference ops instead (pdserve/models/ops.py). `-march=native` is safe because
+the build happens on the machine that runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_state: dict[str, object] = {}
+
+
+def cache_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    base = Path(os.path.expanduser("~/.cache/pdserve/kernels"))
+    return base / key
+
+
+def load_cpu_ops(verbose: bool = False) -> ModuleType | None:
+    """The compiled module, or None when it cannot be built here (reason: build_error())."""
+    if "module" in _state:
+        return _state["module"]  # type: ignore[return-value]
+    module = None
+    try:
+        from torch.utils import cpp_extension
+
+        build = cache_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name=f"pdserve_cpu_ops_{build.name}", sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            build_directory=str(build), verbose=verbose)
+    except Exception as exc:  # compiler, ninja or headers missing: fall back, say why
+        _state["error"] = f"{type(exc).__name__}: {str(exc).strip()[-400:]}"
+        log.warning("fused CPU kernels unavailable, using torch ops: %s", _state["error"])
+    _state["module"] = module
+    return module
+
+
+def build_error() -> str | None:
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def main() -> int:
+    module = load_cpu_ops(verbose="-v" in sys.argv)
+    if module is None:
+        print(f"pdserve kernels: not built ({build_error()})", file=sys.stderr)
+        return 1
+    print(f"pdserve kernels: ready in {cache_dir()}")
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.kernels import main
+
+sys.exit(main())

@@ -1,0 +1,326 @@
+// Fused CPU kernels for the decoder layer (docs/architecture.md: "Engine speed").
+//
+// Eager PyTorch spends most of a small decode step on op dispatch and on copies: an RMSNorm is
+// eight ops, rope five, and attention over the paged pool first gathers every context into a
+// padded tensor that SDPA then reads again. These kernels do each of those in one pass. Every
+// element-wise result is rounded to the tensor dtype at the same points as the torch reference
+// in pdserve/models/ops.py (and HF's modelling code), so float32 stays exact against
+// transformers up to reduction order, and bfloat16 rounds where HF rounds.
+//
+// Shapes: T tokens, H query heads, Hkv KV heads (G = H / Hkv query heads share one), D head
+// dim, B requests, P pages per request, ps page size.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f(T v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T r(float v) { return static_cast<T>(v); }  // round to the storage dtype
+
+// out[t] = w * T(x[t] * rsqrt(mean(x[t]^2) + eps)), computed in float like HF's RMSNorm.
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += f(x[i]) * f(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = r<T>(f(w[i]) * f(r<T>(f(x[i]) * inv)));
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) rms_row(xp + i * n, wp, op + i * n, n, (float)eps);
+  });
+}
+
+// residual += x (rounded), then out = rms_norm(residual): HF's `h = residual + x` followed by
+// the next norm, in one pass over the row.
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, at::Tensor& res, const at::Tensor& w,
+                       at::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = res.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      T* row = rp + i * n;
+      const T* xr = xp + i * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) row[j] = r<T>(f(row[j]) + f(xr[j]));
+      rms_row(row, wp, op + i * n, n, (float)eps);
+    }
+  });
+}
+
+// fp-contract=off: x*cos + sw*sin must round after each product like torch's separate ops,
+// not fuse into one FMA (float32 bits would differ from the reference).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+// Rotates the q and k heads of qkv [T, (H + 2 Hkv) * D] in place (x*cos + swap(x)*sin, sin's
+// first half pre-negated, each product rounded like torch), then writes k and v of token t to
+// pool slot slots[t] of k_buf / v_buf [slots, Hkv, D].
+template <typename T>
+void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor& kb, at::Tensor& vb, const at::Tensor& slots, int64_t H,
+                     int64_t Hkv) {
+  const int64_t toks = qkv.size(0), D = cos.size(1), half = D / 2;
+  const int64_t row = qkv.stride(0);
+  T* qp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kp = kb.data_ptr<T>();
+  T* vp = vb.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  at::parallel_for(0, toks, 4, [&](int64_t b, int64_t e) {
+    std::vector<float> x(D);
+    for (int64_t t = b; t < e; ++t) {
+      const T* c = cp + t * D;
+      const T* s = sp + t * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        T* hp = qp + t * row + h * D;
+        for (int64_t i = 0; i < D; ++i) x[i] = f(hp[i]);
+        for (int64_t i = 0; i < D; ++i) {
+          const float sw = x[i < half ? i + half : i - half];
+          hp[i] = r<T>(f(r<T>(x[i] * f(c[i]))) + f(r<T>(sw * f(s[i]))));
+        }
+      }
+      T* kd = kp + sl[t] * Hkv * D;
+      T* vd = vp + sl[t] * Hkv * D;
+      const T* ks = qp + t * row + H * D;
+      const T* vs = ks + Hkv * D;
+      for (int64_t i = 0; i < Hkv * D; ++i) {
+        kd[i] = ks[i];
+        vd[i] = vs[i];
+      }
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+// 16 floats: GCC lowers it to whatever vector width -march=native offers (AVX-512 here).
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v16 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+template <typename T>
+inline v16 load16(const T* p) {  // half, double: element by element
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline float hsum(v16 v) {  // tree reduction: 4 adds instead of 15
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp of 16 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial, scale by
+// 2^n through the exponent bits); within ~2 ulp of libm, inputs clamped to +-88.37.
+inline v16 vexp(v16 x) {
+  const v16 hi = v16{} + 88.3762626647949f;
+  x = x < hi ? x : hi;
+  x = x > -hi ? x : -hi;
+  v16 fx = x * 1.44269504088896341f + 0.5f;
+  i16 n = __builtin_convertvector(fx, i16);
+  v16 nf = __builtin_convertvector(n, v16);
+  i16 over = nf > fx;  // truncation rounded a negative value up: floor is one less
+  n += over;
+  nf = __builtin_convertvector(n, v16);
+  x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16 z = x * x;
+  v16 y = ((((1.9875691500E-4f * x + 1.3981999507E-3f) * x + 8.3334519073E-3f) * x +
+            4.1665795894E-2f) * x + 1.6666665459E-1f) * x + 5.0000001201E-1f;
+  y = y * z + x + 1.f;
+  i16 bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// softmax numerator in place over s[0, n): exp(s - max); returns 1 / sum (0 when empty).
+inline float exp_normaliser(float* s, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+  v16 acc{};
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    v16 e = vexp(load16(s + t) - m);
+    std::memcpy(s + t, &e, sizeof(e));
+    acc += e;
+  }
+  float sum = hsum(acc);
+  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - m));
+  return sum > 0.f ? 1.f / sum : 0.f;
+}
+
+// One new token per request attends to its whole context, read in place from the paged pool
+// (no gather, no padding). q [B, H, D] (row stride any); pools [slots, Hkv, D]; block_table
+// [B, P] pages; seq_lens [B] context length including the new token. One task per (request,
+// KV head) computes its G query heads' softmax(q K^T * scale) V in float, 16 lanes at a time
+// (D % 16 == 0, checked by the caller). kMaxG bounds the heads sharing one KV head.
+constexpr int64_t kMaxG = 16, kMaxC = 16;  // C = D / 16 chunks (D <= 256)
+
+template <typename T>
+void decode_attn_impl(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb,
+                      const at::Tensor& table, const at::Tensor& lens, at::Tensor& out,
+                      int64_t ps, double scale) {
+  const int64_t B = out.size(0), H = out.size(1), D = out.size(2);
+  const int64_t Hkv = kb.size(1), G = H / Hkv, P = table.size(1), C = D / 16;
+  const int64_t qrow = q.stride(0), tok = Hkv * D;  // pool stride of one token slot
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kb.data_ptr<T>();
+  const T* vp = vb.data_ptr<T>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
+    v16 qv[kMaxG][kMaxC], acc[kMaxG][kMaxC];
+    std::vector<float> s;  // [G, len] scores, then probabilities
+    for (int64_t task = b0; task < e0; ++task) {
+      const int64_t b = task / Hkv, hk = task % Hkv, len = lp[b];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < C; ++c)
+          qv[g][c] = load16(qp + b * qrow + (hk * G + g) * D + c * 16) * sc;
+      s.resize(G * len);
+      const int64_t* pages = tp + b * P;
+      for (int64_t t0 = 0; t0 < len; t0 += ps) {  // page by page: no division per token
+        const T* kpage = kp + pages[t0 / ps] * ps * tok + hk * D;
+        const int64_t n = std::min(ps, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          v16 kc[kMaxC];
+          for (int64_t c = 0; c < C; ++c) kc[c] = load16(kpage + i * tok + c * 16);
+          for (int64_t g = 0; g < G; ++g) {
+            v16 d = qv[g][0] * kc[0];
+            for (int64_t c = 1; c < C; ++c) d += qv[g][c] * kc[c];
+            s[g * len + t0 + i] = hsum(d);
+          }
+        }
+      }
+      float inv[kMaxG];
+      for (int64_t g = 0; g < G; ++g) {
+        inv[g] = exp_normaliser(s.data() + g * len, len);
+        for (int64_t c = 0; c < C; ++c) acc[g][c] = v16{};
+      }
+      for (int64_t t0 = 0; t0 < len; t0 += ps) {
+        const T* vpage = vp + pages[t0 / ps] * ps * tok + hk * D;
+        const int64_t n = std::min(ps, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          v16 vc[kMaxC];
+          for (int64_t c = 0; c < C; ++c) vc[c] = load16(vpage + i * tok + c * 16);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * len + t0 + i];
+            for (int64_t c = 0; c < C; ++c) acc[g][c] += p * vc[c];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = op + (b * H + hk * G + g) * D;
+        for (int64_t c = 0; c < C; ++c)
+          for (int i = 0; i < 16; ++i) o[c * 16 + i] = r<T>(acc[g][c][i] * inv[g]);
+      }
+    }
+  });
+}
+
+#define PD_DISPATCH(dtype, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, NAME, __VA_ARGS__)
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_cpu(x, "x");
+  auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  PD_DISPATCH(x.scalar_type(), "rms_norm", [&] { rms_norm_impl<scalar_t>(xc, w, out, eps); });
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
+                        double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous");
+  auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  PD_DISPATCH(x.scalar_type(), "add_rms_norm",
+              [&] { add_rms_norm_impl<scalar_t>(xc, residual, w, out, eps); });
+  return out;
+}
+
+void rope_and_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, int64_t H,
+                    int64_t Hkv) {
+  check_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.stride(1) == 1, "qkv rows must be contiguous");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "KV buffers must be contiguous");
+  auto c = cos.contiguous(), s = sin.contiguous();
+  auto sl = slots.to(at::kLong).contiguous();
+  PD_DISPATCH(qkv.scalar_type(), "rope_and_store",
+              [&] { rope_store_impl<scalar_t>(qkv, c, s, k_buf, v_buf, sl, H, Hkv); });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
+                            const at::Tensor& v_buf, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, int64_t page_size, double scale) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [B, H, D] with contiguous heads");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "KV buffers must be contiguous");
+  TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(1) / k_buf.size(1) <= kMaxG && q.size(2) % 16 == 0 && q.size(2) <= 256,
+              "decode_attention: needs head_dim % 16 == 0, <= 256 and <= 16 q heads per KV head");
+  auto table = block_table.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  PD_DISPATCH(q.scalar_type(), "decode_attention", [&] {
+    decode_attn_impl<scalar_t>(q, k_buf, v_buf, table, lens, out, page_size, scale);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope_and_store", &rope_and_store);
+  m.def("decode_attention", &decode_attention);
+}

@@ -1,0 +1,127 @@
+"""The decoder layer's small ops, in two interchangeable implementations.
+
+`TorchOps` is plain PyTorch and runs on any device: the reference, and what CUDA uses.
+`NativeOps` calls the fused CPU kernels of pdserve/kernels/cpu_ops.cpp: each op is one pass
+instead of a chain of eager ops (an RMSNorm is eight), and decode attention reads the paged
+pool in place instead of gathering every context into a padded tensor first. (SiLU * up stays
+torch's: its vectorised exp beats a scalar one, and fusing it saved nothing measurable.)
+Both round to the storage dtype at the same points as HF's modelling code
+(docs/architecture.md: "Engine speed"); the equivalence is tested op by op
+(tests/engine/test_kernels.py) and end to end.
+
+Shapes: T tokens, H / Hkv query / KV heads, D head dim, B requests, P pages per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos: [T, D]; sin: [T, D] with its first half negated (see
+    `RotaryEmbedding`), so HF's `x*cos + rotate_half(x)*sin` is one swap of halves."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + swapped * sin.unsqueeze(1)
+
+
+class TorchOps:
+    name = "torch"
+    def paged_decode(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """True when `decode_attention` reads the paged pool in place for this shape;
+        False: the model gathers pages into SDPA instead."""
+        return False
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        # HF's arithmetic: normalise in fp32, round to the input dtype, then scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """residual += x (in place), then rms_norm(residual)."""
+        residual.add_(x)
+        return self.rms_norm(residual, w, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate; up) -> [T, I]."""
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    def rope_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                       h: int, hkv: int) -> torch.Tensor:
+        """qkv [T, H + 2 Hkv, D]: rotates q and k, writes k and v to pool `slots` [T];
+        returns the rotated q [T, H, D]."""
+        qk = apply_rope(qkv[:, : h + hkv], cos, sin)  # q and k heads rotated in one go
+        k_buf.index_copy_(0, slots, qk[:, h:])
+        v_buf.index_copy_(0, slots, qkv[:, h + hkv:])
+        return qk[:, :h]
+
+    def decode_attention(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                         kv_pages: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                         scale: float) -> torch.Tensor:
+        raise NotImplementedError("TorchOps gathers pages instead (paged_decode)")
+
+
+class NativeOps(TorchOps):
+    name = "native"
+
+    def __init__(self, module) -> None:
+        self.m = module
+
+    def rms_norm(self, x, w, eps):
+        return self.m.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x, residual, w, eps):
+        return self.m.add_rms_norm(x, residual, w, eps)
+
+    def rope_and_store(self, qkv, cos, sin, k_buf, v_buf, slots, h, hkv):
+        flat = qkv.view(qkv.shape[0], -1)  # rows contiguous: the kernel rotates in place
+        self.m.rope_and_store(flat, cos, sin, k_buf, v_buf, slots, h, hkv)
+        return qkv[:, :h]
+
+    def paged_decode(self, num_heads, num_kv_heads, head_dim):
+        # the kernel's vector loop: 16-float chunks, at most 16 query heads per KV head
+        return head_dim % 16 == 0 and head_dim <= 256 and num_heads // num_kv_heads <= 16
+
+    def decode_attention(self, q, k_buf, v_buf, kv_pages, seq_lens, page_size, scale):
+        """q [B, H, D] -> [B, H, D]: each row's one new token over its whole context."""
+        return self.m.decode_attention(q, k_buf, v_buf, kv_pages, seq_lens, page_size, scale)
+
+
+@dataclass(frozen=True)
+class OpsChoice:
+    ops: TorchOps
+    kind: Literal["native", "torch"]
+    reason: str
+
+
+def choose_ops(requested: str, device: torch.device) -> OpsChoice:
+    """`auto`: the native kernels on CPU when they build here, torch ops otherwise (CUDA
+    runs torch's own fused kernels). `native` on a machine that cannot build them fails."""
+    if requested not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {'|'.join(KERNEL_CHOICES)}, got {requested!r}")
+    if requested == "torch":
+        return OpsChoice(TorchOps(), "torch", "requested")
+    if device.type != "cpu":
+        if requested == "native":
+            raise ValueError("--kernels native runs on CPU only; use auto or torch on "
+                             f"{device.type}")
+        return OpsChoice(TorchOps(), "torch", f"{device.type}: torch's own kernels")
+    from pdserve.kernels import build_error, load_cpu_ops
+
+    module = load_cpu_ops()
+    if module is None:
+        if requested == "native":
+            raise RuntimeError(f"--kernels native: the CPU kernels do not build here: "
+                               f"{build_error()}")
+        return OpsChoice(TorchOps(), "torch", f"native kernels unavailable: {build_error()}")
+    return OpsChoice(NativeOps(module), "native", "cpu: fused kernels built")

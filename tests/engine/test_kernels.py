@@ -1,0 +1,102 @@
+"""The fused CPU kernels (pdserve/kernels/cpu_ops.cpp) against the torch reference ops, op by
+op, on random inputs; and the engine choosing them (`--kernels`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import build_error, load_cpu_ops
+from pdserve.models.llama import AttnMeta, _padded_attention
+from pdserve.models.ops import NativeOps, TorchOps, choose_ops
+
+REF = TorchOps()
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeOps:
+    module = load_cpu_ops()
+    assert module is not None, f"the kernels must build on the test machine: {build_error()}"
+    return NativeOps(module)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32: reduction order only; bfloat16: one rounding step of the storage dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_norms_match_reference(native, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    close(native.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5), dtype)
+    res_a = torch.randn(rows, 576, generator=g).to(dtype)
+    res_b = res_a.clone()
+    out_a = native.add_rms_norm(x, res_a, w, 1e-5)
+    out_b = REF.add_rms_norm(x, res_b, w, 1e-5)
+    assert torch.equal(res_a, res_b)  # the residual add rounds exactly like torch's
+    close(out_a, out_b, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_matches_reference(native, dtype):
+    g = torch.Generator().manual_seed(1)
+    t, h, hkv, d = 11, 6, 2, 32
+    qkv = torch.randn(t, h + 2 * hkv, d, generator=g).to(dtype)
+    cos = torch.randn(t, d, generator=g).to(dtype)
+    sin = torch.randn(t, d, generator=g).to(dtype)
+    slots = torch.randperm(40, generator=g)[:t]
+    bufs = [torch.zeros(40, hkv, d, dtype=dtype) for _ in range(4)]
+    q_ref = REF.rope_and_store(qkv.clone(), cos, sin, bufs[0], bufs[1], slots, h, hkv)
+    q_nat = native.rope_and_store(qkv.clone(), cos, sin, bufs[2], bufs[3], slots, h, hkv)
+    assert torch.equal(q_nat, q_ref)  # element-wise: same roundings, same bits
+    assert torch.equal(bufs[2], bufs[0]) and torch.equal(bufs[3], bufs[1])
+
+
+def _decode_case(b: int, h: int, hkv: int, d: int, lens: list[int], dtype, ps: int = 4):
+    g = torch.Generator().manual_seed(b * 100 + h)
+    pages = max(-(-n // ps) for n in lens)
+    total = b * pages + 3
+    k_buf = torch.randn(total * ps, hkv, d, generator=g).to(dtype)
+    v_buf = torch.randn(total * ps, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(total, generator=g)[: b * pages].view(b, pages)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    seq = torch.tensor(lens)
+    key_pos = torch.arange(pages * ps)
+    mask = (key_pos.view(1, 1, -1) <= (seq - 1).view(b, 1, 1)).unsqueeze(1)
+    meta = AttnMeta(out_cache_loc=torch.zeros(b, dtype=torch.long), kv_pages=table, mask=mask,
+                    q_index=None, batch=b, max_q=1, page_size=ps, seq_lens=seq)
+    return q, k_buf, v_buf, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_decode_attention_matches_padded_sdpa(native, dtype, h, hkv, d):
+    lens = [1, 5, 17, 33, 8]  # one token, partial pages, full pages, rows of unequal length
+    q, k_buf, v_buf, meta = _decode_case(len(lens), h, hkv, d, lens, dtype)
+    ref = _padded_attention(q, k_buf, v_buf, meta, d**-0.5)
+    out = native.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens,
+                                  meta.page_size, d**-0.5)
+    close(out.reshape(len(lens), h * d), ref, dtype)
+
+
+def test_decode_attention_refuses_unsupported_shapes(native):
+    assert not native.paged_decode(8, 8, 72)  # head_dim not a multiple of 16
+    assert not native.paged_decode(64, 2, 64)  # 32 query heads share one KV head
+    assert native.paged_decode(9, 3, 64) and not REF.paged_decode(9, 3, 64)
+    q, k_buf, v_buf, meta = _decode_case(2, 4, 4, 24, [3, 4], torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        native.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens, 4, 0.2)
+
+
+def test_choose_ops():
+    assert choose_ops("torch", torch.device("cpu")).kind == "torch"
+    assert choose_ops("auto", torch.device("cpu")).kind == "native"
+    assert choose_ops("auto", torch.device("cuda")).kind == "torch"
+    with pytest.raises(ValueError, match="CPU only"):
+        choose_ops("native", torch.device("cuda"))
+    with pytest.raises(ValueError, match="kernels must be"):
+        choose_ops("fast", torch.device("cpu"))
