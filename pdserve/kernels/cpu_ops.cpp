@@ -259,6 +259,76 @@ void decode_attn_impl(const at::Tensor& q, const at::Tensor& kb, const at::Tenso
   });
 }
 
+void check_cpu(const at::Tensor& t, const char* name);
+
+// y [M, N] = x [M, K] @ w [N, K]^T (+ bias) for bf16 and a few rows (M <= kMaxRows): a decode
+// step at low batch is a matrix-vector product whose cost is reading w once; oneDNN's bf16
+// GEMM pads such a product to its tile size and reads at half the speed of its float32 GEMV.
+// Each output is a float accumulation of exact bf16 products, rounded to bf16 once.
+constexpr int64_t kMaxRows = 4;
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+// 32 products per instruction (VDPBF16PS), no conversion: the fast path on AVX512-BF16 CPUs.
+inline void dot_rows(const c10::BFloat16* w, const __m512bh* xv, int64_t M, int64_t K32,
+                     float* out) {
+  __m512 acc[kMaxRows];
+  for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K32; ++k) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k * 32);
+    for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, xv[m * K32 + k]);
+  }
+  for (int64_t m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+using XVec = __m512bh;
+inline XVec load_x(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+#else
+// Portable: widen 16 bf16 to float (a shift) and multiply-add in float.
+struct XVec {
+  v16 lo, hi;
+};
+inline XVec load_x(const c10::BFloat16* p) { return {load16(p), load16(p + 16)}; }
+inline void dot_rows(const c10::BFloat16* w, const XVec* xv, int64_t M, int64_t K32,
+                     float* out) {
+  v16 acc[kMaxRows];
+  for (int64_t m = 0; m < M; ++m) acc[m] = v16{};
+  for (int64_t k = 0; k < K32; ++k) {
+    const v16 lo = load16(w + k * 32), hi = load16(w + k * 32 + 16);
+    for (int64_t m = 0; m < M; ++m) acc[m] += lo * xv[m * K32 + k].lo + hi * xv[m * K32 + k].hi;
+  }
+  for (int64_t m = 0; m < M; ++m) out[m] = hsum(acc[m]);
+}
+#endif
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "small_linear: bfloat16 only");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows && x.size(1) % 32 == 0,
+              "small_linear: needs x [M <= 4, K % 32 == 0]");
+  TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(1), "small_linear: w must be [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), K32 = K / 32;
+  auto xc = x.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const auto* xp = xc.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias && bias->defined() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  std::vector<XVec> xv(M * K32);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K32; ++k) xv[m * K32 + k] = load_x(xp + m * K + k * 32);
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    float acc[kMaxRows];
+    for (int64_t n = b; n < e; ++n) {
+      dot_rows(wp + n * K, xv.data(), M, K32, acc);
+      const float add = bp ? static_cast<float>(bp[n]) : 0.f;
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = c10::BFloat16(acc[m] + add);
+    }
+  });
+  return out;
+}
+
 #define PD_DISPATCH(dtype, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, NAME, __VA_ARGS__)
 
@@ -323,4 +393,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_and_store", &rope_and_store);
   m.def("decode_attention", &decode_attention);
+  m.def("small_linear", &small_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 }

@@ -94,7 +94,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttnMeta, kv_pool, ops: TorchOps) -> torch.Tensor:
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
+        qkv = _linear(ops, self.qkv_proj, x).view(t, h + 2 * hkv, d)
         if self.qk_norm:
             qkv = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + hkv]),
                              qkv[:, h + hkv:]), dim=1)
@@ -105,8 +105,12 @@ class Attention(nn.Module):
         if meta.seq_lens is not None and ops.paged_decode(h, hkv, d):
             out = ops.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens,
                                        meta.page_size, self.scale)  # [B, H, D], T == B
-            return self.o_proj(out.view(t, h * d))
-        return self.o_proj(_padded_attention(q, k_buf, v_buf, meta, self.scale))
+            return _linear(ops, self.o_proj, out.view(t, h * d))
+        return _linear(ops, self.o_proj, _padded_attention(q, k_buf, v_buf, meta, self.scale))
+
+
+def _linear(ops: TorchOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return ops.linear(x, layer.weight, layer.bias)
 
 
 def _padded_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -147,7 +151,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return _linear(ops, self.down_proj, ops.silu_and_mul(_linear(ops, self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -205,4 +209,4 @@ class CausalLM(nn.Module):
         norm = self.model.norm
         x = ops.rms_norm(residual[logit_rows], norm.weight, norm.eps)
         weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return ops.linear(x, weight, None).float()

@@ -100,3 +100,19 @@ def test_choose_ops():
         choose_ops("native", torch.device("cuda"))
     with pytest.raises(ValueError, match="kernels must be"):
         choose_ops("fast", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_matches_torch(native, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    w = torch.randn(200, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(200, generator=g).to(torch.bfloat16) if bias else None
+    out = native.m.small_linear(x, w, b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    # float accumulation of exact bf16 products, one rounding to bf16 at the end
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+    assert native.linear(x[:1], w, b).shape == (1, 200)
+    with pytest.raises(RuntimeError, match="small_linear"):
+        native.m.small_linear(x.float(), w.float(), None)
