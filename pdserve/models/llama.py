@@ -184,6 +184,9 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta, kv_pool)
-        x = self.model.norm(x[logit_rows])
+        return self.compute_logits(self.model.norm(x[logit_rows]))
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, V] fp32 (replaced per instance under TP: models/parallel.py)."""
         weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
         return F.linear(x, weight).float()

@@ -1,0 +1,141 @@
+"""Rank 0 of a TP node: starts the worker ranks, shards its own model, and stands in for the
+model in `ModelRunner` (docs/architecture.md: Tensor parallelism).
+
+`TPModel.__call__` has the model's signature. It runs on the forward thread, after the
+FutureMap has resolved the input ids, so the overlap loop is unchanged: the header goes to
+every worker's pipe, the batch tensors follow as one broadcast, then rank 0 runs its own
+shard of the forward (the workers run theirs in lockstep, meeting at each all-reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.tp_group import TPGroup, pack_tensors, split_meta, write_msg
+from pdserve.models.parallel import TPPlan, plan_tp, shard_model
+
+log = logging.getLogger(__name__)
+WORKER_EXIT_S = 20.0  # a worker told to stop gets this long before it is killed
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank r of a CUDA node runs on the r-th GPU after the configured one."""
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+class TPModel:
+    """Rank 0's stand-in for the model: hands each forward to the workers, then runs it."""
+
+    def __init__(self, model, group: TPGroup, procs: list[subprocess.Popen]) -> None:
+        self.model, self.group, self.procs = model, group, procs
+        self._lock = threading.Lock()  # one forward on the wire at a time
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop_workers, procs)
+
+    def __call__(self, input_ids, positions, meta, kv_pool, logit_rows) -> torch.Tensor:
+        tensors, plain = split_meta(meta)
+        tensors.update(input_ids=input_ids, positions=positions, logit_rows=logit_rows)
+        specs, payload = pack_tensors(tensors)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the TP group is closed")
+            msg = {"op": "forward", "specs": specs, "plain": plain, "nbytes": payload.numel()}
+            for p in self.procs:
+                try:
+                    write_msg(p.stdin, msg)
+                except (BrokenPipeError, OSError) as exc:
+                    raise RuntimeError(f"TP rank (pid {p.pid}) is gone: {exc}") from exc
+            self.group.broadcast(payload)
+            return self.model(input_ids, positions, meta, kv_pool, logit_rows)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+        self.group.close()
+
+
+def _stop_workers(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        try:
+            write_msg(p.stdin, {"op": "stop"})
+            p.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+    deadline = time.monotonic() + WORKER_EXIT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("TP worker %d did not stop; killing it", p.pid)
+            p.kill()
+            p.wait()
+
+
+def spawn_workers(cfg: EngineConfig, port: int) -> list[subprocess.Popen]:
+    """Ranks 1..N-1, each `python -m pdserve.engine.tp_worker` with the config as JSON."""
+    conf = json.dumps(dataclasses.asdict(cfg))
+    return [subprocess.Popen(
+        [sys.executable, "-m", "pdserve.engine.tp_worker", "--rank", str(r),
+         "--port", str(port), "--config", conf], stdin=subprocess.PIPE)
+        for r in range(1, cfg.tp_size)]
+
+
+def start_tp(cfg: EngineConfig, loaded) -> tuple[TPPlan, TPModel]:
+    """Rank 0: check the model can be split, start the workers, join the group, shard the
+    local model. Raises ValueError (before starting anything) when the TP size does not fit."""
+    plan = plan_tp(loaded.hf_config, cfg.tp_size, 0)
+    group = TPGroup("127.0.0.1", 0, 0, cfg.tp_size, loaded.device)
+    procs = spawn_workers(cfg, group.port)
+    try:
+        _connect_watching(group, procs)
+        shard_model(loaded.model, plan, group)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    log.info("tensor parallel: %d ranks, %d q / %d KV heads per rank%s", cfg.tp_size,
+             plan.local_heads, plan.local_kv_heads,
+             " (KV heads replicated)" if plan.kv_replicated else "")
+    return plan, TPModel(loaded.model, group, procs)
+
+
+def _connect_watching(group: TPGroup, procs: list[subprocess.Popen]) -> None:
+    """Join the group, failing fast when a worker dies while loading (bad model, OOM)."""
+    err: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(group.connect, err), daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.2)
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"TP worker pid {dead[0].pid} exited with "
+                               f"{dead[0].returncode} before joining the group")
+    if err:
+        raise err[0]
+
+
+def _catch(fn, err: list) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # re-raised on the caller's thread
+        err.append(exc)
+
+
+def send_init(model: TPModel, num_pages: int) -> None:
+    """Tell the workers how many KV pages to allocate (the same on every rank)."""
+    for p in model.procs:
+        write_msg(p.stdin, {"op": "init", "num_pages": num_pages})
