@@ -54,8 +54,6 @@ class Engine:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         model, kv_heads, self.tp = self.loaded.model, hf.num_key_value_heads, None
         if cfg.tp_size > 1:  # this process is rank 0; this rank's pool holds its KV heads
-            if type(self.role) is not Role:
-                raise ValueError("--tp-size > 1 runs on colocated nodes only (for now)")
             self.tp_plan, self.tp = start_tp(cfg, self.loaded)
             model, kv_heads = self.tp, self.tp_plan.local_kv_heads
         self.layout = KVLayout(hf.num_hidden_layers, kv_heads, head_dim,

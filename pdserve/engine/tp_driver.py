@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.tp_group import TPGroup, pack_tensors, split_meta, write_msg
+from pdserve.engine.tp_group import TPGroup, pack_tensors, read_msg, split_meta, write_msg
 from pdserve.models.parallel import TPPlan, plan_tp, shard_model
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,24 @@ class TPModel:
     def __init__(self, model, group: TPGroup, procs: list[subprocess.Popen]) -> None:
         self.model, self.group, self.procs = model, group, procs
         self._lock = threading.Lock()  # one forward on the wire at a time
+        self._pipe = threading.Lock()  # whole messages on the pipes (forward + role threads)
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_workers, procs)
+        # What the workers report back on their stdout (PD transfers, pdserve/disagg/tp_rooms).
+        self.replies = WorkerReplies(len(procs))
+        for rank, p in enumerate(procs, start=1):
+            threading.Thread(target=self.replies.read, args=(rank, p.stdout), daemon=True,
+                             name=f"pdserve-tp-reply-{rank}").start()
+
+    def send_op(self, msg: dict) -> None:
+        """An op for every worker, after everything written before it (a transfer op
+        written after a forward's result was processed runs after that forward there)."""
+        with self._pipe:
+            for p in self.procs:
+                try:
+                    write_msg(p.stdin, msg)
+                except (BrokenPipeError, OSError, ValueError) as exc:
+                    raise RuntimeError(f"TP rank (pid {p.pid}) is gone: {exc}") from exc
 
     def __call__(self, input_ids, positions, meta, kv_pool, logit_rows) -> torch.Tensor:
         tensors, plain = split_meta(meta)
@@ -51,12 +67,8 @@ class TPModel:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the TP group is closed")
-            msg = {"op": "forward", "specs": specs, "plain": plain, "nbytes": payload.numel()}
-            for p in self.procs:
-                try:
-                    write_msg(p.stdin, msg)
-                except (BrokenPipeError, OSError) as exc:
-                    raise RuntimeError(f"TP rank (pid {p.pid}) is gone: {exc}") from exc
+            self.send_op({"op": "forward", "specs": specs, "plain": plain,
+                          "nbytes": payload.numel()})
             self.group.broadcast(payload)
             return self.model(input_ids, positions, meta, kv_pool, logit_rows)
 
@@ -65,6 +77,60 @@ class TPModel:
             self._closed = True
         self._finalizer()
         self.group.close()
+
+
+class WorkerReplies:
+    """Messages from the workers' stdout pipes: `ready` answers (per rank) and room state
+    changes (room -> per worker rank (state, reason, peer_fault)). A worker whose pipe
+    closes is `dead`: every room it had counts as failed."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.cond = threading.Condition()
+        self.ready: dict[int, dict] = {}
+        self.rooms: dict[int, list] = {}
+        self.dead: dict[int, str] = {}
+
+    def read(self, rank: int, pipe) -> None:
+        while (msg := read_msg(pipe)) is not None:
+            with self.cond:
+                if msg["op"] == "ready":
+                    self.ready[rank] = msg
+                elif msg["op"] == "room":
+                    row = self.rooms.get(msg["room"])
+                    if row is not None:
+                        row[rank - 1] = (msg["state"], msg["reason"], msg["peer_fault"])
+                self.cond.notify_all()
+        with self.cond:
+            self.dead[rank] = f"TP rank {rank} exited"
+            self.cond.notify_all()
+
+    def wait_ready(self, timeout: float) -> list[dict]:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: len(self.ready) + len(self.dead) >= self.workers,
+                                    timeout)
+            if self.dead or not ok:
+                raise RuntimeError(f"TP workers did not set up their KV transfer: "
+                                   f"{self.dead or 'timed out'}")
+            out = [self.ready[r] for r in sorted(self.ready)]
+            self.ready.clear()
+            return out
+
+    def track(self, room: int) -> None:
+        with self.cond:
+            self.rooms[room] = [None] * self.workers
+
+    def forget(self, room: int) -> None:
+        with self.cond:
+            self.rooms.pop(room, None)
+
+    def states(self, room: int) -> list:
+        """Per worker rank: (state, reason, peer_fault), or None before its first report."""
+        with self.cond:
+            row = list(self.rooms.get(room) or [None] * self.workers)
+            for rank, why in self.dead.items():
+                row[rank - 1] = (0, why, False)
+            return row
 
 
 def _stop_workers(procs: list[subprocess.Popen]) -> None:
@@ -89,7 +155,8 @@ def spawn_workers(cfg: EngineConfig, port: int) -> list[subprocess.Popen]:
     conf = json.dumps(dataclasses.asdict(cfg))
     return [subprocess.Popen(
         [sys.executable, "-m", "pdserve.engine.tp_worker", "--rank", str(r),
-         "--port", str(port), "--config", conf], stdin=subprocess.PIPE)
+         "--port", str(port), "--config", conf], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE)
         for r in range(1, cfg.tp_size)]
 
 
@@ -137,5 +204,4 @@ def _catch(fn, err: list) -> None:
 
 def send_init(model: TPModel, num_pages: int) -> None:
     """Tell the workers how many KV pages to allocate (the same on every rank)."""
-    for p in model.procs:
-        write_msg(p.stdin, {"op": "init", "num_pages": num_pages})
+    model.send_op({"op": "init", "num_pages": num_pages})

@@ -3,9 +3,10 @@
 
 It loads the model, keeps its shard, owns a KV pool for its KV heads (same page count and
 page table as rank 0: rank 0 sends the slots with each batch), then runs every forward rank
-0 announces on stdin. It exits on "stop", at EOF of stdin (rank 0 is gone), when its parent
-process changes (rank 0 killed while this rank sat in a collective), or when a collective
-fails (another rank died).
+0 announces on stdin. On a prefill / decode node it also runs this rank's KV transfers
+(pdserve/disagg/tp_rooms.py), replying on stdout. It exits on "stop", at EOF of stdin (rank
+0 is gone), when its parent process changes (rank 0 killed while this rank sat in a
+collective), or when a collective fails (another rank died).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)  # rank 0 died; nothing of ours needs an orderly shutdown
 
 
-def serve(cfg: EngineConfig, rank: int, port: int) -> None:
+def serve(cfg: EngineConfig, rank: int, port: int, replies) -> None:
     device = rank_device(cfg.torch_device(), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -55,13 +56,29 @@ def serve(cfg: EngineConfig, rank: int, port: int) -> None:
     layout = KVLayout(hf.num_hidden_layers, plan.local_kv_heads, plan.head_dim, loaded.dtype,
                       cfg.page_size)
     pool = KVPool(layout, int(init["num_pages"]), device)
-    while (msg := read_msg(stdin)) is not None and msg["op"] == "forward":
-        payload = torch.empty(int(msg["nbytes"]), dtype=torch.uint8, device=device)
-        group.broadcast(payload)
-        t = unpack_tensors(msg["specs"], payload)
-        ids, pos, rows = t.pop("input_ids"), t.pop("positions"), t.pop("logit_rows")
-        meta = AttnMeta(**t, **msg["plain"])
-        loaded.model(ids, pos, meta, pool, rows)
+    transfer = None
+    try:
+        while (msg := read_msg(stdin)) is not None and msg["op"] != "stop":
+            if msg["op"] == "forward":
+                _forward(msg, group, loaded.model, pool, device)
+            elif msg["op"] == "transfer":  # a prefill / decode node: this rank's transfers
+                from pdserve.disagg.tp_rooms import WorkerTransfer
+
+                transfer = WorkerTransfer(pool, rank, msg, replies, threading.Lock())
+            else:
+                transfer.handle(msg)
+    finally:
+        if transfer is not None:
+            transfer.close()
+
+
+def _forward(msg: dict, group: TPGroup, model, pool: KVPool, device: torch.device) -> None:
+    payload = torch.empty(int(msg["nbytes"]), dtype=torch.uint8, device=device)
+    group.broadcast(payload)
+    t = unpack_tensors(msg["specs"], payload)
+    ids, pos, rows = t.pop("input_ids"), t.pop("positions"), t.pop("logit_rows")
+    meta = AttnMeta(**t, **msg["plain"])
+    model(ids, pos, meta, pool, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {args.rank}] %(message)s")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    # stdout is the reply pipe to rank 0; anything a library prints goes to stderr instead.
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     try:
-        serve(EngineConfig(**json.loads(args.config)), args.rank, args.port)
+        serve(EngineConfig(**json.loads(args.config)), args.rank, args.port, replies)
     except Exception as exc:  # a peer died mid-collective, or the model would not load
         log.error("TP worker rank %d stops: %s", args.rank, exc)
         return 1

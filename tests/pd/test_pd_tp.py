@@ -1,0 +1,52 @@
+"""PD with tensor parallelism (docs/architecture.md: Tensor parallelism): prefill TP2 ->
+decode TP2, rank to rank, gives the colocated TP1 greedy tokens; mismatched TP sizes are
+refused at the handshake with a clear error and every pool is full again."""
+
+from __future__ import annotations
+
+import pytest
+from pd_pair import TINY_MODELS, PDCluster, assert_failed, colocated_greedy, greedy, random_prompt
+
+NEW_TOKENS = 12
+PROMPTS = [random_prompt(n, seed=700 + i) for i, n in enumerate((1, 16, 17, 65, 150))]
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_pd_tp2_to_tp2_equals_colocated(model):
+    cluster = PDCluster(model, "tcp", prefills=[{"tp_size": 2, "chunked_prefill_size": 64}],
+                        decodes=[{"tp_size": 2}])
+    try:
+        fields = cluster.prefills[0].role.registry_fields()
+        assert fields["tp_size"] == 2 and len(set(fields["kv_endpoints"])) == 2
+        assert fields["model"] == model
+        legs = cluster.generate(PROMPTS, greedy(NEW_TOKENS))
+        want = colocated_greedy(model, PROMPTS, NEW_TOKENS)
+        assert [leg.output_ids for leg in legs] == want
+        cluster.assert_pools_full()
+    finally:
+        cluster.close()
+
+
+def test_mismatched_tp_refused_with_clear_error():
+    cluster = PDCluster("tiny-llama", "tcp", prefills=[{"tp_size": 2}, {}],
+                        decodes=[{}, {"tp_size": 2}])
+    try:
+        # The decode role refuses endpoints of a different TP size outright.
+        with pytest.raises(ValueError, match="prefill node runs TP 2 and this decode node TP 1"):
+            cluster.submit(PROMPTS[1], greedy(4), p=0, d=0, legs="d")
+        with pytest.raises(ValueError, match="prefill node runs TP 1 and this decode node TP 2"):
+            cluster.submit(PROMPTS[1], greedy(4), p=1, d=1, legs="d")
+        # A TP1 decode given only rank 0's endpoint (an old router): the prefill's transfer
+        # handshake refuses its Register, naming the TP rank; both legs fail, pools full.
+        room = 1234567
+        dreq = cluster.decodes[0].add_request("mismatch-d", list(PROMPTS[3]), greedy(4), {
+            "bootstrap_room": room, "prefill_kv_endpoint": cluster.endpoint(0)})
+        preq = cluster.prefills[0].add_request("mismatch-p", list(PROMPTS[3]), greedy(4),
+                                               {"bootstrap_room": room})
+        cluster.run(timeout=60)
+        assert_failed(dreq, "decode leg")
+        assert "TP rank 0 of 2" in dreq.error, dreq.error
+        assert preq.finished
+        cluster.assert_pools_full()
+    finally:
+        cluster.close()
