@@ -4,8 +4,19 @@ refused at the handshake with a clear error and every pool is full again."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
-from pd_pair import TINY_MODELS, PDCluster, assert_failed, colocated_greedy, greedy, random_prompt
+from pd_pair import (
+    TINY_MODELS,
+    PDCluster,
+    assert_failed,
+    colocated_greedy,
+    engine_problems,
+    greedy,
+    random_prompt,
+)
 
 NEW_TOKENS = 12
 PROMPTS = [random_prompt(n, seed=700 + i) for i, n in enumerate((1, 16, 17, 65, 150))]
@@ -48,5 +59,33 @@ def test_mismatched_tp_refused_with_clear_error():
         assert "TP rank 0 of 2" in dreq.error, dreq.error
         assert preq.finished
         cluster.assert_pools_full()
+    finally:
+        cluster.close()
+
+
+def test_prefill_rank_killed_mid_transfer_fails_decode_cleanly():
+    cluster = PDCluster("tiny-llama", "tcp", prefills=[{"tp_size": 2, "chunked_prefill_size": 16}],
+                        decodes=[{"tp_size": 2}],
+                        transfer={"heartbeat_interval_s": 0.2, "heartbeat_misses": 2})
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    try:
+        leg = cluster.submit(random_prompt(150, seed=77), greedy(8))
+        # Step until some pages went out but the prompt (10 chunks of 16) is not done.
+        cluster.run(timeout=60, until=lambda: leg.prefill.pd.progress.sent_pages >= 2)
+        assert not leg.prefill.finished
+        victim = prefill.tp.procs[0]  # prefill rank 1
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        # The decode node alone: its rank-1 room loses its peer, the room fails on every
+        # rank, and only then are the pages freed.
+        cluster.run(timeout=60, engines=[decode])
+        assert_failed(leg.decode, "decode leg")
+        assert "TP rank" in leg.decode.error and "prefill" in leg.decode.error, leg.decode.error
+        assert not engine_problems(decode), engine_problems(decode)
+        # The prefill node is out: its next forward fails every request it holds.
+        with pytest.raises(RuntimeError):
+            for _ in range(200):
+                prefill.step()
+        assert leg.prefill.finished and leg.prefill.error
     finally:
         cluster.close()
