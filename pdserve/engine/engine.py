@@ -205,7 +205,8 @@ class Engine:
         return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,
-                "tp_size": self.cfg.tp_size,
+                "tp_size": self.cfg.tp_size, "tp": None if self.tp is None else
+                self.tp.describe(self.tp_plan, self.kv_pool.num_pages),
                 "max_total_tokens": self.max_total_tokens,
                 "hicache": None if self.host_pool is None else {
                     "host_pages": self.host_pool.num_pages,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -71,6 +72,18 @@ class TPModel:
                           "nbytes": payload.numel()})
             self.group.broadcast(payload)
             return self.model(input_ids, positions, meta, kv_pool, logit_rows)
+
+    def describe(self, plan: TPPlan, num_pages: int) -> dict:
+        """The node's ranks for /server_info: every rank's pool has the same pages (one page
+        table) over its own KV heads."""
+        ranks = [{"rank": 0, "pid": os.getpid(), "alive": True}] + [
+            {"rank": r, "pid": p.pid, "alive": p.poll() is None and r not in self.replies.dead}
+            for r, p in enumerate(self.procs, start=1)]
+        for r in ranks:
+            r["kv_pages"] = num_pages
+        return {"size": plan.size, "q_heads_per_rank": plan.local_heads,
+                "kv_heads_per_rank": plan.local_kv_heads, "kv_replicated": plan.kv_replicated,
+                "ranks": ranks}
 
     def close(self) -> None:
         with self._lock:

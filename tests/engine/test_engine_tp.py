@@ -125,3 +125,27 @@ def test_workers_exit_when_rank0_is_killed():
         if rank0.poll() is None:
             rank0.kill()
             rank0.wait()
+
+
+def test_tp_with_hicache_refused():
+    with pytest.raises(ValueError, match="hierarchical-cache does not support --tp-size"):
+        LLM("tiny-llama", tp_size=2, enable_hierarchical_cache=True)
+
+
+def test_dead_worker_fails_requests_with_an_error():
+    llm = LLM("tiny-llama", tp_size=2, max_total_tokens=1024, dtype="float32")
+    try:
+        info = llm.engine.describe()["tp"]
+        assert info["kv_heads_per_rank"] == 1 and [r["alive"] for r in info["ranks"]] == [
+            True, True]
+        worker = llm.engine.tp.procs[0]
+        worker.kill()
+        worker.wait()
+        with pytest.raises(RuntimeError):
+            llm.generate([[5, 6, 7]], greedy(4))
+        reqs = list(llm.engine.requests.values())  # ended with the error, reported next step
+        assert reqs and all(r.finished and r.error for r in reqs), \
+            [r.error for r in reqs]
+        assert llm.engine.describe()["tp"]["ranks"][1]["alive"] is False
+    finally:
+        llm.close()
