@@ -4,8 +4,10 @@ refused at the handshake with a clear error and every pool is full again."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 
 import pytest
 from pd_pair import (
@@ -17,6 +19,10 @@ from pd_pair import (
     greedy,
     random_prompt,
 )
+
+from bootstrap.record import RegisteredNode
+from pdserve.disagg.registration import PrefillPeerResolver
+from pdserve.server.protocol import ApiError
 
 NEW_TOKENS = 12
 PROMPTS = [random_prompt(n, seed=700 + i) for i, n in enumerate((1, 16, 17, 65, 150))]
@@ -89,3 +95,40 @@ def test_prefill_rank_killed_mid_transfer_fails_decode_cleanly():
         assert leg.prefill.finished and leg.prefill.error
     finally:
         cluster.close()
+
+
+def _node(role: str, tp: int) -> dict:
+    now = time.time()
+    rec = {"node_id": f"{role}-{tp}", "instance_id": "i1", "role": role,
+           "http_url": "http://127.0.0.1:1", "kv_endpoint": "127.0.0.1:2",
+           "transfer_backend": "tcp", "model": "tiny-llama", "page_size": 16,
+           "kv_layout": {"num_layers": 4, "num_kv_heads": 2 // tp, "head_dim": 16,
+                         "dtype": "float32"},
+           "load": {"running": 0, "waiting": 0, "kv_usage": 0.0}, "ttl_s": 10.0,
+           "registered_at": now, "renewed_at": now, "expires_at": now + 10, "generation": 1}
+    if tp > 1:
+        rec.update(tp_size=tp, kv_endpoints=[f"127.0.0.1:{2 + r}" for r in range(tp)])
+    return rec
+
+
+class _Registry:
+    """The registry's answer for one node id (what the decode front reads)."""
+
+    epoch = ""
+
+    def __init__(self, rec: dict) -> None:
+        self.rec = rec
+
+    def get_node(self, node_id: str) -> RegisteredNode | None:
+        return RegisteredNode.model_validate(self.rec) if node_id == self.rec["node_id"] \
+            else None
+
+
+def test_decode_front_refuses_another_tp_size_and_passes_every_endpoint():
+    me = _node("decode", 2)
+    same = PrefillPeerResolver(_Registry(_node("prefill", 2)), me)
+    out = asyncio.run(same.resolve({"bootstrap_room": 5, "prefill_node_id": "prefill-2"}))
+    assert out["prefill_kv_endpoints"] == ["127.0.0.1:2", "127.0.0.1:3"]
+    other = PrefillPeerResolver(_Registry(_node("prefill", 1)), me)
+    with pytest.raises(ApiError, match="runs TP 1 and this decode node TP 2"):
+        asyncio.run(other.resolve({"bootstrap_room": 5, "prefill_node_id": "prefill-1"}))
