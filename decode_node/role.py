@@ -27,6 +27,12 @@ import logging
 from decode_node.state import DecodeState
 from kv_transfer import KVPoll, KVReceiver, KVTransferConfig
 from pdserve.disagg.metadata import MetadataPool, unpack_row
+from pdserve.disagg.tp_transfer import (
+    TPReceiver,
+    start_worker_transfers,
+    tp_model_name,
+    tp_registry_fields,
+)
 from pdserve.disagg.transfer_setup import make_kv_manager
 from pdserve.engine.request import ReqState
 from pdserve.engine.role import Role
@@ -47,13 +53,17 @@ class DecodeRole(Role):
     def attach(self, engine) -> None:
         super().attach(engine)
         self.meta = MetadataPool(2 * engine.cfg.max_running_requests)
+        tp = engine.cfg.tp_size
         self.mgr = make_kv_manager(engine, "decode", self.meta, self.transfer_cfg,
-                                   self.model_name)
+                                   tp_model_name(self.model_name, 0, tp))
+        self.tp_fields = None if tp == 1 else start_worker_transfers(
+            engine, "decode", self.transfer_cfg, self.model_name, self.meta.size)
 
     # 1. arrival ------------------------------------------------------------------------------
     def add_request(self, req, extra: dict) -> None:
         room = extra.pop("bootstrap_room", None)
         endpoint = extra.pop("prefill_kv_endpoint", None)
+        endpoints = extra.pop("prefill_kv_endpoints", None) or [endpoint]
         extra.pop("prefill_node_id", None)
         if extra:
             raise ValueError(f"unexpected fields for a decode node: {sorted(extra)}")
@@ -64,7 +74,13 @@ class DecodeRole(Role):
         # The prefill node computes the prompt's logprobs (and the first token's); the
         # router merges them in (docs/architecture.md: Logprobs).
         req.params.prompt_logprobs = None
-        req.pd = DecodeState(room, KVReceiver(self.mgr, room, endpoint))
+        tp = self.engine.cfg.tp_size
+        if len(endpoints) != tp:
+            raise ValueError(f"the prefill node runs TP {len(endpoints)} and this decode node "
+                             f"TP {tp}: KV moves only between equal TP sizes (rank to rank)")
+        receiver = KVReceiver(self.mgr, room, endpoint) if tp == 1 else TPReceiver(
+            self.mgr, room, self.engine.tp, endpoints)
+        req.pd = DecodeState(room, receiver)
         self.prealloc.append(req)
 
     def has_work(self) -> bool:
@@ -178,7 +194,9 @@ class DecodeRole(Role):
             req.pd.meta_slot = None
 
     def registry_fields(self) -> dict:
-        return self.mgr.registry_fields()
+        fields = self.mgr.registry_fields()
+        return fields if self.tp_fields is None else tp_registry_fields(
+            fields, self.model_name, self.tp_fields)
 
     def stats(self) -> dict:
         return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transferring),

@@ -46,6 +46,7 @@ class EngineConfig:
     hicache_ratio: float = 2.0  # host pages / device pages (when hicache_size is 0)
     hicache_size: float = 0.0  # host tier in GiB; 0 = from hicache_ratio
     hicache_write_policy: str = "write_through"
+    tp_size: int = 1  # ranks of this node (docs/architecture.md: Tensor parallelism)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -68,6 +69,10 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda[:N], got {self.device!r}")
         self._check_hicache()
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.enable_hierarchical_cache:
+            raise ValueError("--enable-hierarchical-cache does not support --tp-size > 1 yet")
 
     def _check_hicache(self) -> None:
         if not self.hicache_ratio > 0:
@@ -148,4 +153,7 @@ _HELP = {
     "hicache_write_policy": "when cached KV is copied to the host tier: write_through (on "
                             "insert), write_through_selective (once hit twice), write_back "
                             "(on device eviction)",
+    "tp_size": "tensor-parallel ranks of this node: rank 0 schedules, ranks 1..N-1 are worker "
+               "processes (gloo on CPU, NCCL on CUDA: one GPU per rank); must divide the "
+               "attention heads",
 }

@@ -28,6 +28,12 @@ import logging
 
 from kv_transfer import KVPoll, KVSender, KVTransferConfig
 from pdserve.disagg.metadata import MetadataPool, pack_row
+from pdserve.disagg.tp_transfer import (
+    TPSender,
+    start_worker_transfers,
+    tp_model_name,
+    tp_registry_fields,
+)
 from pdserve.disagg.transfer_setup import make_kv_manager
 from pdserve.engine.request import ReqState
 from pdserve.engine.role import Role
@@ -54,8 +60,11 @@ class PrefillRole(Role):
         super().attach(engine)
         self.page_size = engine.cfg.page_size
         self.meta = MetadataPool(4 * engine.cfg.max_running_requests)
+        tp = engine.cfg.tp_size
         self.mgr = make_kv_manager(engine, "prefill", self.meta, self.transfer_cfg,
-                                   self.model_name)
+                                   tp_model_name(self.model_name, 0, tp))
+        self.tp_fields = None if tp == 1 else start_worker_transfers(
+            engine, "prefill", self.transfer_cfg, self.model_name, self.meta.size)
 
     # 1. arrival --------------------------------------------------------------------------
     def add_request(self, req, extra: dict) -> None:
@@ -66,7 +75,9 @@ class PrefillRole(Role):
         if not isinstance(room, int) or not 0 <= room < 1 << 63:
             raise ValueError("a prefill node needs `bootstrap_room` (an integer in [0, 2^63))")
         req.params.max_new_tokens = 1  # the decode node generates the rest
-        req.pd = PrefillState(room, KVSender(self.mgr, room),
+        tp = self.engine.tp
+        sender = KVSender(self.mgr, room) if tp is None else TPSender(self.mgr, room, tp)
+        req.pd = PrefillState(room, sender,
                               SendProgress(len(req.prompt_ids), self.page_size))
         self.bootstrap.append(req)
 
@@ -204,7 +215,9 @@ class PrefillRole(Role):
             req.pd.meta_slot = None
 
     def registry_fields(self) -> dict:
-        return self.mgr.registry_fields()
+        fields = self.mgr.registry_fields()
+        return fields if self.tp_fields is None else tp_registry_fields(
+            fields, self.model_name, self.tp_fields)
 
     def stats(self) -> dict:
         return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),

@@ -8,6 +8,9 @@
 #   5. bench/kv_device.py, GPU->GPU KV transfer GB/s     -> OUT/kv_device.json
 #   6. 1P1D `pdserve up` + `pdserve bench` on one GPU    -> OUT/pd_bench.jsonl
 # and OUT/summary.json (every step's exit code and seconds, the benchmarks' summaries).
+# Tensor parallelism (--tp-size, README "Tensor parallelism") is NOT run here: the lent
+# machine has one GPU and a TP2 node puts rank r on cuda:r (NCCL), so it needs two. TP is
+# checked on CPU (gloo) by tests/engine/test_engine_tp.py; summary.json says "tp": not run.
 # Each step has its own time limit, cut to what is left of the overall budget.
 #
 #   scripts/gpu_check.sh OUTDIR                # on the GPU machine, from the repo root
@@ -199,6 +202,7 @@ if f.exists():
     summary["pd_transfer"] = {name: ((n.get("stats") or {}).get("role") or {}).get("transfer")
                               for name, n in nodes.items()}
     summary["pd_engines"] = {name: n.get("engine") for name, n in nodes.items()}
+summary["tp"] = "not run: one GPU here; --tp-size 2 needs two (rank r on cuda:r)"
 summary["ok"] = all(s["rc"] == 0 for s in steps.values())
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary, indent=2)[:6000])

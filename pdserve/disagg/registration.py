@@ -26,6 +26,7 @@ def node_record(cfg, ready) -> dict:
         "transfer_backend": kv["transfer_backend"], "model": kv["model"],
         "page_size": kv["page_size"], "kv_layout": kv["kv_layout"],
         "ttl_s": cfg.pd.registry_ttl_s,
+        **{k: kv[k] for k in ("tp_size", "kv_endpoints") if k in kv},  # TP nodes only
     }
 
 
@@ -105,11 +106,18 @@ class PrefillPeerResolver:
             raise ApiError(400, "a decode node needs `bootstrap_room` and either "
                                 "`prefill_node_id` (pdserve's router) or `bootstrap_host` + "
                                 "`bootstrap_port` (SGLang's router)")
+        theirs, ours = peer.get("tp_size", 1), self.me.get("tp_size", 1)
+        if theirs != ours:
+            raise ApiError(400, f"{label} is incompatible: it runs TP {theirs} and this decode "
+                                f"node TP {ours} (KV moves only between equal TP sizes)")
         for name in self.FIELDS:
             if peer.get(name) != self.me.get(name):
                 raise ApiError(400, f"{label} is incompatible: {name} "
                                     f"{peer.get(name)!r} != ours {self.me.get(name)!r}")
-        return {**extra, "prefill_kv_endpoint": peer["kv_endpoint"]}
+        out = {**extra, "prefill_kv_endpoint": peer["kv_endpoint"]}
+        if peer.get("kv_endpoints"):
+            out["prefill_kv_endpoints"] = list(peer["kv_endpoints"])
+        return out
 
     async def _from_registry(self, node_id: str) -> dict:
         node = await asyncio.to_thread(self.client.get_node, node_id)

@@ -23,6 +23,7 @@ from pdserve.engine.role import Role
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.staging import StagingRing
+from pdserve.engine.tp_driver import send_init, start_tp
 from pdserve.memory.host_pool import HostKVPool, host_pages_for
 from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
@@ -55,9 +56,15 @@ class Engine:
         self.context_length = min(cfg.context_length or self.loaded.context_length,
                                   self.loaded.context_length)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.layout = KVLayout(hf.num_hidden_layers, hf.num_key_value_heads, head_dim,
+        model, kv_heads, self.tp = self.loaded.model, hf.num_key_value_heads, None
+        if cfg.tp_size > 1:  # this process is rank 0; this rank's pool holds its KV heads
+            self.tp_plan, self.tp = start_tp(cfg, self.loaded)
+            model, kv_heads = self.tp, self.tp_plan.local_kv_heads
+        self.layout = KVLayout(hf.num_hidden_layers, kv_heads, head_dim,
                                self.loaded.dtype, cfg.page_size)
         self.kv_pool = KVPool(self.layout, self._num_pages(), self.device)
+        if self.tp is not None:
+            send_init(self.tp, self.kv_pool.num_pages)
         req_pool = ReqToTokenPool(cfg.max_running_requests + 1, self.context_length + 1)
         self.host_pool, self.hicache = self._make_hicache()
         self.kv = KVManager(self.kv_pool, req_pool, use_cache=not cfg.disable_prefix_cache,
@@ -66,7 +73,7 @@ class Engine:
         self.future_map = FutureMap(cfg.max_running_requests, self.device)
         self.staging = StagingRing(self.device)
         self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role)
-        runner = ModelRunner(self.loaded.model, self.kv_pool, self.future_map,
+        runner = ModelRunner(model, self.kv_pool, self.future_map,
                              Sampler(self.device, cfg.seed), self.device, self.hicache)
         self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length,
                                    self.role)
@@ -203,6 +210,8 @@ class Engine:
                 "kernels": self.ops_choice.kind, "kernels_reason": self.ops_choice.reason,
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,
+                "tp_size": self.cfg.tp_size, "tp": None if self.tp is None else
+                self.tp.describe(self.tp_plan, self.kv_pool.num_pages),
                 "max_total_tokens": self.max_total_tokens,
                 "hicache": None if self.host_pool is None else {
                     "host_pages": self.host_pool.num_pages,
@@ -233,5 +242,7 @@ class Engine:
     def close(self) -> None:
         self.role.close()
         self.executor.close()
+        if self.tp is not None:
+            self.tp.close()
         if self.hicache is not None:
             self.hicache.close()

@@ -109,8 +109,10 @@ class Attention(nn.Module):
         return _linear(ops, self.o_proj, _padded_attention(q, k_buf, v_buf, meta, self.scale))
 
 
-def _linear(ops: TorchOps, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return ops.linear(x, layer.weight, layer.bias)
+def _linear(ops: TorchOps, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(layer) is nn.Linear:
+        return ops.linear(x, layer.weight, layer.bias)
+    return layer(x, ops)  # a row-parallel linear under TP adds its all-reduce (parallel.py)
 
 
 def _padded_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -207,6 +209,9 @@ class CausalLM(nn.Module):
             else:
                 residual.add_(m)
         norm = self.model.norm
-        x = ops.rms_norm(residual[logit_rows], norm.weight, norm.eps)
+        return self.compute_logits(ops.rms_norm(residual[logit_rows], norm.weight, norm.eps))
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, V] fp32 (replaced per instance under TP: models/parallel.py)."""
         weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
-        return ops.linear(x, weight, None).float()
+        return self.ops.linear(x, weight, None).float()

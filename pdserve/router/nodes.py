@@ -56,10 +56,12 @@ class NodeState:
         return self.record.load.running + self.record.load.waiting
 
     def pairs_with(self, other: NodeState) -> bool:
-        """Can KV move between the two? Same pages, same layout, same transfer backend."""
+        """Can KV move between the two? Same pages, same layout, same transfer backend, same
+        TP size (KV moves rank to rank; docs/architecture.md: Tensor parallelism)."""
         a, b = self.record, other.record
         return (a.page_size == b.page_size and a.kv_layout == b.kv_layout
-                and a.transfer_backend == b.transfer_backend and a.model == b.model)
+                and a.transfer_backend == b.transfer_backend and a.model == b.model
+                and _tp_size(a) == _tp_size(b))
 
     def view(self) -> dict:
         r = self.record
@@ -69,6 +71,11 @@ class NodeState:
                 "breaker": self.breaker.state, "draining": self.draining,
                 "last_error": self.last_error,
                 "legs": dict(self.counts)}
+
+
+def _tp_size(record) -> int:
+    """`tp_size` of a record (an extra field, absent on TP1 nodes)."""
+    return (record.model_extra or {}).get("tp_size", 1)
 
 
 class NodeTable:

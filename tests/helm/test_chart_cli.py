@@ -82,6 +82,7 @@ def test_parsed_node_config_carries_chart_values(render, values):
         assert ns.node_id == DUMMY["POD_NAME"]
         assert ns.registry_token == "" and ns.registry_token_file is not None
         assert ns.page_size == v["engine"]["pageSize"]
+        assert ns.tp_size == v["engine"].get("tpSize", 1)
         assert ns.transfer_backend == v["transfer"]["backend"]
         assert ns.max_running_requests == v[argv[0]]["maxRunningRequests"]
         if v["rdma"]["enabled"]:

@@ -62,13 +62,15 @@ def _model(name: str, dtype: str, device: str, cache_dir: str):
 
 
 @contextlib.contextmanager
-def _shared_tokenizer():
+def _shared_tokenizer(share_model: bool = True):
     """While an engine is built: one tokenizer and one set of weights per model, shared by
     every engine of the session (the forward only reads the weights; KV pools, schedulers
-    and transfer state stay per engine)."""
+    and transfer state stay per engine). A TP engine shards its model in place, so it
+    loads its own (`share_model=False`)."""
     engine_mod.load_tokenizer = lambda path: _tokenizer(str(path))
-    engine_mod.load_model = lambda name, dtype, device, cache_dir="": _model(
-        name, dtype, str(device), cache_dir)
+    if share_model:
+        engine_mod.load_model = lambda name, dtype, device, cache_dir="": _model(
+            name, dtype, str(device), cache_dir)
     try:
         yield
     finally:
@@ -81,7 +83,7 @@ def engine_config(model: str, **cfg) -> EngineConfig:
 
 
 def make_engine(model: str, role=None, **cfg) -> Engine:
-    with _shared_tokenizer():
+    with _shared_tokenizer(share_model=cfg.get("tp_size", 1) == 1):
         return Engine(engine_config(model, **cfg), role)
 
 
@@ -215,6 +217,14 @@ class PDCluster:
     def endpoint(self, p: int = 0) -> str:
         return self.prefills[p].role.mgr.endpoint
 
+    def leg_fields(self, p: int) -> dict:
+        """What the decode leg names of prefill `p` (every rank's endpoint on a TP node)."""
+        fields = {"prefill_kv_endpoint": self.endpoint(p)}
+        if self.prefills[p].cfg.tp_size > 1:
+            fields["prefill_kv_endpoints"] = self.prefills[p].role.registry_fields()[
+                "kv_endpoints"]
+        return fields
+
     # -- requests --------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, p: int = 0, d: int = 0,
                room: int | None = None, legs: str = "pd") -> Leg2:
@@ -229,7 +239,7 @@ class PDCluster:
         if "d" in legs:
             dreq = self.decodes[d].add_request(
                 rid, list(prompt), SamplingParams(**vars(params)),
-                {"bootstrap_room": room, "prefill_kv_endpoint": self.endpoint(p)})
+                {"bootstrap_room": room, **self.leg_fields(p)})
         leg = Leg2(rid, room, preq, dreq, p, d)
         self.legs.append(leg)
         return leg

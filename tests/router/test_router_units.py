@@ -306,3 +306,16 @@ def test_a_draining_node_is_retried_elsewhere_and_never_picked_again():
     assert table.nodes["d0"].draining  # same instance, still registered: still skipped
     table.update([record("p0", "prefill"), record("d0", "decode", instance="i2")])
     assert not table.nodes["d0"].draining  # a new instance (restarted pod) is used again
+
+
+def test_nodes_pair_only_with_equal_tp_size():
+    def tp_state(node_id: str, role: str, tp: int | None) -> NodeState:
+        rec = record(node_id, role, heads=1).model_dump(mode="json")
+        if tp is not None:  # TP1 nodes leave the field out
+            rec.update(tp_size=tp, kv_endpoints=["127.0.0.1:2"] * tp)
+        return NodeState(RegisteredNode.model_validate(rec), CircuitBreaker(3, 1.0, 8.0))
+
+    p1, p2 = tp_state("p1", "prefill", None), tp_state("p2", "prefill", 2)
+    d1, d2 = tp_state("d1", "decode", 1), tp_state("d2", "decode", 2)
+    assert p1.pairs_with(d1) and p2.pairs_with(d2)
+    assert not p1.pairs_with(d2) and not p2.pairs_with(d1)

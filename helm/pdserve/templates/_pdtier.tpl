@@ -130,6 +130,8 @@ spec:
             - {{ $.Values.engine.device | quote }}
             - --page-size
             - {{ $.Values.engine.pageSize | quote }}
+            - --tp-size
+            - {{ $.Values.engine.tpSize | default 1 | quote }}
             - --max-running-requests
             - {{ $tier.maxRunningRequests | quote }}
             - --kv-cache-mb

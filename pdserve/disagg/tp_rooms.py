@@ -1,0 +1,93 @@
+"""A worker rank's side of PD with TP (docs/architecture.md: Tensor parallelism): its own
+`TransferManager` over its own KV pool (its KV heads), and the rooms rank 0's role drives.
+
+Rank 0 mirrors every sender / receiver call of its role to the workers as pipe ops (the
+same room id, the same pages and metadata slot: page tables are identical on every rank).
+Rank r's sender serves decode rank r, and rank r's receiver asks prefill rank r. A watcher
+thread reports each room's state changes back on the reply pipe; a room is dropped here
+once terminal and reported.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import BinaryIO
+
+from kv_transfer import KVReceiver, KVSender, KVTransferConfig
+from pdserve.disagg.metadata import MetadataPool
+from pdserve.disagg.tp_transfer import tp_model_name
+from pdserve.disagg.transfer_setup import make_kv_manager
+from pdserve.engine.tp_group import write_msg
+
+WATCH_S = 0.005  # how often room states are checked for changes
+
+
+class WorkerTransfer:
+    def __init__(self, pool, rank: int, msg: dict, out: BinaryIO, out_lock: threading.Lock
+                 ) -> None:
+        self.rank, self.out, self.out_lock = rank, out, out_lock
+        self.meta = MetadataPool(int(msg["meta_rows"]))
+        self.mgr = make_kv_manager(SimpleNamespace(kv_pool=pool), msg["role"], self.meta,
+                                   KVTransferConfig(**msg["config"]),
+                                   tp_model_name(msg["model"], rank, msg["size"]))
+        self.rooms: dict[int, KVSender | KVReceiver] = {}
+        self.reported: dict[int, tuple] = {}
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._send({"op": "ready", "fields": self.mgr.registry_fields()})
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name="pdserve-tp-rooms")
+        self._watcher.start()
+
+    def handle(self, msg: dict) -> None:
+        """One room op from rank 0 (never blocks: the handles post to the control thread)."""
+        op, room = msg["op"], int(msg["room"])
+        with self.lock:
+            if op == "sender_new":
+                self.rooms[room] = KVSender(self.mgr, room)
+            elif op == "receiver_new":
+                self.rooms[room] = KVReceiver(self.mgr, room, msg["endpoints"][self.rank])
+            else:
+                h = self.rooms.get(room)
+                if h is None:  # already terminal and dropped (an abort after the end)
+                    return
+                if op == "sender_init":
+                    h.init(msg["num_pages"], msg["slot"])
+                elif op == "sender_send":
+                    h.send(msg["pages"], last=msg["last"])
+                elif op == "receiver_init":
+                    h.init(msg["pages"], msg["slot"], prefix_len=msg["prefix_len"])
+                elif op == "abort":
+                    h.abort(msg["reason"])
+                else:
+                    raise ValueError(f"unknown TP room op {op!r}")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            with self.lock:
+                items = list(self.rooms.items())
+            for room, h in items:
+                state = h.poll()
+                now = (int(state), h.failure_reason, bool(getattr(h, "peer_fault", False)))
+                if self.reported.get(room) != now:
+                    self.reported[room] = now
+                    self._send({"op": "room", "room": room, "state": now[0],
+                                "reason": now[1], "peer_fault": now[2]})
+                if state.terminal:
+                    with self.lock:
+                        self.rooms.pop(room, None)
+                    self.reported.pop(room, None)
+
+    def _send(self, msg: dict) -> None:
+        with self.out_lock:
+            write_msg(self.out, msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watcher.join(timeout=5)
+        deadline = time.monotonic() + 5
+        while self.mgr.metrics().get("live_rooms") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.mgr.close()

@@ -1,0 +1,141 @@
+"""Rank 0's side of PD with TP (docs/architecture.md: Tensor parallelism): one room's
+transfer over every rank.
+
+`TPSender` / `TPReceiver` have the `KVSender` / `KVReceiver` interface the roles use. They
+drive rank 0's own handle and mirror each call to the worker ranks (pdserve/disagg/
+tp_rooms.py), which report their rooms' states back. The room's state is the MIN over the
+ranks (Failed < Bootstrapping < ... < Success, as SGLang's KVPoll order): Success only when
+every rank's transfer is. The first rank to fail aborts the room on every rank. A decode
+room reports Failed only once EVERY rank's room is terminal, so when the role frees the
+pages no write can land on any rank's pool.
+
+P TP = D TP only: prefill rank r writes to decode rank r. Each rank's layout carries its
+rank in the model identity (`tp_model_name`), so a Register from a different rank or TP
+size is refused by the transfer handshake too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+
+from kv_transfer import KVPoll, KVReceiver, KVSender, KVTransferConfig
+
+READY_TIMEOUT_S = 120.0
+
+
+def tp_model_name(model: str, rank: int, size: int) -> str:
+    """The model identity in a rank's KV layout: TP nodes only accept their peer rank."""
+    return model if size == 1 else f"{model} (TP rank {rank} of {size})"
+
+
+def start_worker_transfers(engine, role: str, cfg: KVTransferConfig, model: str,
+                           meta_rows: int) -> tuple[dict, ...]:
+    """Each worker rank registers its own pool with its own TransferManager; returns their
+    registry fields (rank 1..N-1)."""
+    tp = engine.tp
+    tp.send_op({"op": "transfer", "role": role, "config": dataclasses.asdict(cfg),
+                "model": model, "meta_rows": meta_rows, "size": engine.cfg.tp_size})
+    return tuple(r["fields"] for r in tp.replies.wait_ready(READY_TIMEOUT_S))
+
+
+def tp_registry_fields(local: dict, model: str, workers: tuple[dict, ...]) -> dict:
+    """One node record for all ranks: the plain model name, `tp_size` and every rank's KV
+    endpoint (rank order; `kv_endpoint` stays rank 0's)."""
+    return {**local, "model": model, "tp_size": 1 + len(workers),
+            "kv_endpoints": [local.get("kv_endpoint", "")] +
+            [w.get("kv_endpoint", "") for w in workers]}
+
+
+class _TPRoom:
+    def __init__(self, local, tp, room: int) -> None:
+        self.local, self.tp, self.room = local, tp, room
+        self._why: str | None = None  # the first rank failure, once seen
+        self._fault = False
+        tp.replies.track(room)
+        weakref.finalize(self, tp.replies.forget, room)
+
+    def _op(self, op: str, **kw) -> None:
+        try:
+            self.tp.send_op({"op": op, "room": self.room, **kw})
+        except RuntimeError:
+            pass  # a worker is gone: its rooms read as Failed (WorkerReplies.dead)
+
+    def _ranks(self) -> list[tuple[KVPoll, str | None, bool]]:
+        mine = (self.local.poll(), self.local.failure_reason,
+                bool(getattr(self.local, "peer_fault", False)))
+        rest = [(KVPoll.Bootstrapping, None, False) if s is None else
+                (KVPoll(s[0]), s[1], bool(s[2])) for s in self.tp.replies.states(self.room)]
+        return [mine, *rest]
+
+    def _check(self, ranks) -> bool:
+        """True when a rank failed; the first time, abort the room on every rank."""
+        for r, (state, reason, fault) in enumerate(ranks):
+            if state == KVPoll.Failed:
+                if self._why is None:
+                    self._why, self._fault = f"TP rank {r}: {reason or 'failed'}", fault
+                    self.abort(self._why)
+                return True
+        return False
+
+    def abort(self, reason: str = "aborted") -> None:
+        self.local.abort(reason)
+        self._op("abort", reason=reason)
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._why or self.local.failure_reason
+
+    @property
+    def peer_fault(self) -> bool:
+        return self._fault
+
+
+class TPSender(_TPRoom):
+    def __init__(self, mgr, room: int, tp) -> None:
+        super().__init__(KVSender(mgr, room), tp, room)
+        self._op("sender_new")
+
+    def init(self, num_pages: int, metadata_slot: int) -> None:
+        self.local.init(num_pages, metadata_slot)
+        self._op("sender_init", num_pages=int(num_pages), slot=int(metadata_slot))
+
+    def send(self, page_indices: Sequence[int], last: bool = False,
+             metadata: bytes | Sequence[bytes] | None = None) -> None:
+        """Workers send the same pages of their own pools; only rank 0's metadata row (the
+        first token) is meaningful, theirs travel as written."""
+        pages = [int(p) for p in page_indices]
+        self.local.send(pages, last=last, metadata=metadata)
+        self._op("sender_send", pages=pages, last=bool(last))
+
+    def poll(self) -> KVPoll:
+        ranks = self._ranks()
+        if self._check(ranks):
+            return KVPoll.Failed  # reading pages after this is harmless: the room is dead
+        return min(s for s, _, _ in ranks)
+
+
+class TPReceiver(_TPRoom):
+    def __init__(self, mgr, room: int, tp, endpoints: list[str]) -> None:
+        super().__init__(KVReceiver(mgr, room, endpoints[0]), tp, room)
+        self._op("receiver_new", endpoints=list(endpoints))
+
+    def init(self, dst_page_indices: Sequence[int], metadata_slot: int,
+             prefix_len: int = 0) -> None:
+        pages = [int(p) for p in dst_page_indices]
+        self.local.init(pages, metadata_slot, prefix_len=prefix_len)
+        self._op("receiver_init", pages=pages, slot=int(metadata_slot),
+                 prefix_len=int(prefix_len))
+
+    def poll(self) -> KVPoll:
+        ranks = self._ranks()
+        if not self._check(ranks):
+            return min(s for s, _, _ in ranks)
+        if all(s.terminal for s, _, _ in ranks):
+            return KVPoll.Failed
+        # Failed somewhere, but a rank may still be written: not terminal yet.
+        return min(s for s, _, _ in ranks if s != KVPoll.Failed and not s.terminal)
+
+    def metadata(self) -> list[bytes]:
+        return self.local.metadata()

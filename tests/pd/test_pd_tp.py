@@ -1,0 +1,134 @@
+"""PD with tensor parallelism (docs/architecture.md: Tensor parallelism): prefill TP2 ->
+decode TP2, rank to rank, gives the colocated TP1 greedy tokens; mismatched TP sizes are
+refused at the handshake with a clear error and every pool is full again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from pd_pair import (
+    TINY_MODELS,
+    PDCluster,
+    assert_failed,
+    colocated_greedy,
+    engine_problems,
+    greedy,
+    random_prompt,
+)
+
+from bootstrap.record import RegisteredNode
+from pdserve.disagg.registration import PrefillPeerResolver
+from pdserve.server.protocol import ApiError
+
+NEW_TOKENS = 12
+PROMPTS = [random_prompt(n, seed=700 + i) for i, n in enumerate((1, 16, 17, 65, 150))]
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_pd_tp2_to_tp2_equals_colocated(model):
+    cluster = PDCluster(model, "tcp", prefills=[{"tp_size": 2, "chunked_prefill_size": 64}],
+                        decodes=[{"tp_size": 2}])
+    try:
+        fields = cluster.prefills[0].role.registry_fields()
+        assert fields["tp_size"] == 2 and len(set(fields["kv_endpoints"])) == 2
+        assert fields["model"] == model
+        legs = cluster.generate(PROMPTS, greedy(NEW_TOKENS))
+        want = colocated_greedy(model, PROMPTS, NEW_TOKENS)
+        assert [leg.output_ids for leg in legs] == want
+        cluster.assert_pools_full()
+    finally:
+        cluster.close()
+
+
+def test_mismatched_tp_refused_with_clear_error():
+    cluster = PDCluster("tiny-llama", "tcp", prefills=[{"tp_size": 2}, {}],
+                        decodes=[{}, {"tp_size": 2}])
+    try:
+        # The decode role refuses endpoints of a different TP size outright.
+        with pytest.raises(ValueError, match="prefill node runs TP 2 and this decode node TP 1"):
+            cluster.submit(PROMPTS[1], greedy(4), p=0, d=0, legs="d")
+        with pytest.raises(ValueError, match="prefill node runs TP 1 and this decode node TP 2"):
+            cluster.submit(PROMPTS[1], greedy(4), p=1, d=1, legs="d")
+        # A TP1 decode given only rank 0's endpoint (an old router): the prefill's transfer
+        # handshake refuses its Register, naming the TP rank; both legs fail, pools full.
+        room = 1234567
+        dreq = cluster.decodes[0].add_request("mismatch-d", list(PROMPTS[3]), greedy(4), {
+            "bootstrap_room": room, "prefill_kv_endpoint": cluster.endpoint(0)})
+        preq = cluster.prefills[0].add_request("mismatch-p", list(PROMPTS[3]), greedy(4),
+                                               {"bootstrap_room": room})
+        cluster.run(timeout=60)
+        assert_failed(dreq, "decode leg")
+        assert "TP rank 0 of 2" in dreq.error, dreq.error
+        assert preq.finished
+        cluster.assert_pools_full()
+    finally:
+        cluster.close()
+
+
+def test_prefill_rank_killed_mid_transfer_fails_decode_cleanly():
+    cluster = PDCluster("tiny-llama", "tcp", prefills=[{"tp_size": 2, "chunked_prefill_size": 16}],
+                        decodes=[{"tp_size": 2}],
+                        transfer={"heartbeat_interval_s": 0.2, "heartbeat_misses": 2})
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    try:
+        leg = cluster.submit(random_prompt(150, seed=77), greedy(8))
+        # Step until some pages went out but the prompt (10 chunks of 16) is not done.
+        cluster.run(timeout=60, until=lambda: leg.prefill.pd.progress.sent_pages >= 2)
+        assert not leg.prefill.finished
+        victim = prefill.tp.procs[0]  # prefill rank 1
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        # The decode node alone: its rank-1 room loses its peer, the room fails on every
+        # rank, and only then are the pages freed.
+        cluster.run(timeout=60, engines=[decode])
+        assert_failed(leg.decode, "decode leg")
+        assert "TP rank" in leg.decode.error and "prefill" in leg.decode.error, leg.decode.error
+        assert not engine_problems(decode), engine_problems(decode)
+        # The prefill node is out: its next forward fails every request it holds.
+        with pytest.raises(RuntimeError):
+            for _ in range(200):
+                prefill.step()
+        assert leg.prefill.finished and leg.prefill.error
+    finally:
+        cluster.close()
+
+
+def _node(role: str, tp: int) -> dict:
+    now = time.time()
+    rec = {"node_id": f"{role}-{tp}", "instance_id": "i1", "role": role,
+           "http_url": "http://127.0.0.1:1", "kv_endpoint": "127.0.0.1:2",
+           "transfer_backend": "tcp", "model": "tiny-llama", "page_size": 16,
+           "kv_layout": {"num_layers": 4, "num_kv_heads": 2 // tp, "head_dim": 16,
+                         "dtype": "float32"},
+           "load": {"running": 0, "waiting": 0, "kv_usage": 0.0}, "ttl_s": 10.0,
+           "registered_at": now, "renewed_at": now, "expires_at": now + 10, "generation": 1}
+    if tp > 1:
+        rec.update(tp_size=tp, kv_endpoints=[f"127.0.0.1:{2 + r}" for r in range(tp)])
+    return rec
+
+
+class _Registry:
+    """The registry's answer for one node id (what the decode front reads)."""
+
+    epoch = ""
+
+    def __init__(self, rec: dict) -> None:
+        self.rec = rec
+
+    def get_node(self, node_id: str) -> RegisteredNode | None:
+        return RegisteredNode.model_validate(self.rec) if node_id == self.rec["node_id"] \
+            else None
+
+
+def test_decode_front_refuses_another_tp_size_and_passes_every_endpoint():
+    me = _node("decode", 2)
+    same = PrefillPeerResolver(_Registry(_node("prefill", 2)), me)
+    out = asyncio.run(same.resolve({"bootstrap_room": 5, "prefill_node_id": "prefill-2"}))
+    assert out["prefill_kv_endpoints"] == ["127.0.0.1:2", "127.0.0.1:3"]
+    other = PrefillPeerResolver(_Registry(_node("prefill", 1)), me)
+    with pytest.raises(ApiError, match="runs TP 1 and this decode node TP 2"):
+        asyncio.run(other.resolve({"bootstrap_room": 5, "prefill_node_id": "prefill-1"}))
