@@ -55,6 +55,8 @@ class ModelRunner:
             out_cache_loc=t["out_cache_loc"], kv_pages=t["kv_pages"], mask=mask,
             q_index=None if uniform else t["q_index"], batch=b, max_q=lq, page_size=ps,
             seq_lens=t["q_pos"][:, 0] + 1 if decode else None,
+            fresh_lens=tuple(r.q_len for r in batch.rows)
+            if batch.kind == "extend" and all(r.start == 0 for r in batch.rows) else None,
             layer_wait=functools.partial(self._wait_layer, op_id=batch.load_barrier)
             if batch.load_barrier else None,
         )

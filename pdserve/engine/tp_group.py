@@ -123,6 +123,8 @@ def split_meta(meta) -> tuple[dict[str, torch.Tensor], dict]:
             tensors[f.name] = v
         elif v is None or isinstance(v, bool | int | float | str):
             plain[f.name] = v
+        elif isinstance(v, tuple) and all(isinstance(x, int) for x in v):
+            plain[f.name] = list(v)  # msgpack has no tuple; the worker rebuilds it
         else:
             raise TypeError(f"AttnMeta.{f.name} ({type(v).__name__}) cannot go to TP ranks")
     return tensors, plain

@@ -79,7 +79,8 @@ def _forward(msg: dict, group: TPGroup, model, pool: KVPool, device: torch.devic
     group.broadcast(payload)
     t = unpack_tensors(msg["specs"], payload)
     ids, pos, rows = t.pop("input_ids"), t.pop("positions"), t.pop("logit_rows")
-    meta = AttnMeta(**t, **msg["plain"])
+    plain = {k: tuple(v) if isinstance(v, list) else v for k, v in msg["plain"].items()}
+    meta = AttnMeta(**t, **plain)
     model(ids, pos, meta, pool, rows)
 
 

@@ -55,6 +55,9 @@ class AttnMeta:
     # [B] context length incl. the new token, set when every row has exactly one new token
     # (a decode batch): lets the ops read the paged pool in place (`ops.decode_attention`).
     seq_lens: torch.Tensor | None = None
+    # new-token count of each row when every row starts at position 0 (fresh prompts, first
+    # chunks): their context is exactly this batch's k/v, so attention needs no pool read.
+    fresh_lens: tuple[int, ...] | None = None
     # HiCache: called with the layer id before the layer touches the pool, so a forward
     # waits only for the layers of a pending host->device load it is about to read.
     layer_wait: Callable[[int], None] | None = None
@@ -101,7 +104,10 @@ class Attention(nn.Module):
         if meta.layer_wait is not None:
             meta.layer_wait(self.layer_id)  # HiCache: this layer's pages are loaded
         k_buf, v_buf = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
-        q = ops.rope_and_store(qkv, cos, sin, k_buf, v_buf, meta.out_cache_loc, h, hkv)
+        q, k, v = ops.rope_and_store(qkv, cos, sin, k_buf, v_buf, meta.out_cache_loc, h, hkv)
+        if meta.fresh_lens is not None:
+            return _linear(ops, self.o_proj, _fresh_attention(q, k, v, meta.fresh_lens,
+                                                               self.scale))
         if meta.seq_lens is not None and ops.paged_decode(h, hkv, d):
             out = ops.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens,
                                        meta.page_size, self.scale)  # [B, H, D], T == B
@@ -113,6 +119,24 @@ def _linear(ops: TorchOps, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(layer) is nn.Linear:
         return ops.linear(x, layer.weight, layer.bias)
     return layer(x, ops)  # a row-parallel linear under TP adds its all-reduce (parallel.py)
+
+
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     lens: tuple[int, ...], scale: float) -> torch.Tensor:
+    """Rows whose context is exactly their new tokens (prompts from position 0): causal SDPA
+    on this batch's own q/k/v, row by row: no gather from the pool, no mask tensor, and the
+    kernel skips the blocks above the diagonal. q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+    h, d = q.shape[1:]
+    outs, start = [], 0
+    for n in lens:
+        rows = slice(start, start + n)
+        out = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0), k[rows].transpose(0, 1).unsqueeze(0),
+            v[rows].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+            enable_gqa=h != k.shape[1])  # [1, H, n, D]
+        outs.append(out[0].transpose(0, 1).reshape(n, h * d))
+        start += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _padded_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

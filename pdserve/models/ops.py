@@ -60,13 +60,13 @@ class TorchOps:
 
     def rope_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
-                       h: int, hkv: int) -> torch.Tensor:
+                       h: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, H + 2 Hkv, D]: rotates q and k, writes k and v to pool `slots` [T];
-        returns the rotated q [T, H, D]."""
+        returns the rotated q [T, H, D], k [T, Hkv, D] and v [T, Hkv, D]."""
         qk = apply_rope(qkv[:, : h + hkv], cos, sin)  # q and k heads rotated in one go
         k_buf.index_copy_(0, slots, qk[:, h:])
         v_buf.index_copy_(0, slots, qkv[:, h + hkv:])
-        return qk[:, :h]
+        return qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
 
     def decode_attention(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          kv_pages: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
@@ -96,7 +96,7 @@ class NativeOps(TorchOps):
     def rope_and_store(self, qkv, cos, sin, k_buf, v_buf, slots, h, hkv):
         flat = qkv.view(qkv.shape[0], -1)  # rows contiguous: the kernel rotates in place
         self.m.rope_and_store(flat, cos, sin, k_buf, v_buf, slots, h, hkv)
-        return qkv[:, :h]
+        return qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:]
 
     def paged_decode(self, num_heads, num_kv_heads, head_dim):
         # the kernel's vector loop: 16-float chunks, at most 16 query heads per KV head

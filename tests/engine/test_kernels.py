@@ -50,9 +50,11 @@ def test_rope_and_store_matches_reference(native, dtype):
     sin = torch.randn(t, d, generator=g).to(dtype)
     slots = torch.randperm(40, generator=g)[:t]
     bufs = [torch.zeros(40, hkv, d, dtype=dtype) for _ in range(4)]
-    q_ref = REF.rope_and_store(qkv.clone(), cos, sin, bufs[0], bufs[1], slots, h, hkv)
-    q_nat = native.rope_and_store(qkv.clone(), cos, sin, bufs[2], bufs[3], slots, h, hkv)
+    args = (cos, sin)
+    q_ref, k_ref, v_ref = REF.rope_and_store(qkv.clone(), *args, *bufs[:2], slots, h, hkv)
+    q_nat, k_nat, v_nat = native.rope_and_store(qkv.clone(), *args, *bufs[2:], slots, h, hkv)
     assert torch.equal(q_nat, q_ref)  # element-wise: same roundings, same bits
+    assert torch.equal(k_nat, k_ref) and torch.equal(v_nat, v_ref)
     assert torch.equal(bufs[2], bufs[0]) and torch.equal(bufs[3], bufs[1])
 
 
