@@ -5,8 +5,9 @@
 2. for each shape (1P1D, 1P2D, 2P1D, colocated) and rate: the simulator's p50/p90 TTFT and
    TPOT, then the same seeded `pdserve bench` run (same arrival times, fixed lengths)
    against `pdserve up` (or `pdserve serve` for colocated), and the relative error;
-3. simulator scale: 500 nodes (250P250D) at 10,000 req/s for `--scale-seconds` simulated
-   seconds, and the projected wall time of one simulated hour.
+3. simulator scale (`bench/plan_scale.py`, which also runs the whole hour): 500 nodes
+   (250P250D) at 10,000 req/s for `--scale-seconds` simulated seconds with the fast
+   simulator, and the projected wall time of one simulated hour.
 Every process of a stack shares this machine's cores: the simulation models that with
 `machine_cores = os.cpu_count()` (a step that starts while n nodes compute is n x slower
 when each node's torch threads fill the machine). Other processes on the machine are
@@ -31,16 +32,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
 from pd_vs_colocated import free_port, start, stop  # noqa: E402
+from plan_scale import measure as scale_measure  # noqa: E402
 
 from pdserve.cli import main as pdserve_main  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.loadtest.arrivals import arrival_times  # noqa: E402
 from pdserve.loadtest.report import row_stat  # noqa: E402
 from pdserve.plan.profile import run_profile  # noqa: E402
-from pdserve.plan.profile_model import Profile  # noqa: E402
 from pdserve.plan.search import node_spec  # noqa: E402
 from pdserve.plan.sim import ClusterSpec, Simulator  # noqa: E402
-from pdserve.plan.workload import Workload, synthetic  # noqa: E402
+from pdserve.plan.workload import Workload  # noqa: E402
 
 METRICS = (("ttft", 50), ("ttft", 90), ("tpot", 50), ("tpot", 90))
 
@@ -106,28 +107,6 @@ def rel(pred: float, meas: float | None) -> float | None:
     return abs(pred - meas) / meas if meas else None
 
 
-def reference_profile(model: str) -> Profile:
-    """GPU-like round numbers: prefill 20k tok/s, decode step 15 ms + 0.1 ms/request,
-    25 GB/s transfer, 500k KV tokens per node (only the simulator's speed is measured)."""
-    return Profile(model=model, page_size=16, engine={"max_running_requests": 256},
-                   kv_bytes_per_token=65536, kv_pool_tokens=500_000, torch_threads=1,
-                   cpu_count=1, transfer_backend="mooncake", prefill_coef=[0.01, 5e-5, 0.0],
-                   decode_coef=[0.015, 1e-4, 1e-5], transfer_latency_s=0.001,
-                   transfer_gbps=25.0)
-
-
-def scale(prof: Profile, seconds: float) -> dict:
-    rate, nodes = 10_000.0, 500
-    wl = synthetic(rate, int(rate * seconds), "uniform:64:512", "uniform:8:64", seed=1)
-    cluster = ClusterSpec(prefill=nodes // 2, decode=nodes // 2, node=node_spec(prof))
-    res = Simulator(prof, cluster).run(wl)
-    per_sim_s = res.wall_s / max(res.duration, 1e-9)
-    return {"nodes": nodes, "rate": rate, "sim_seconds": round(res.duration, 2),
-            "requests": len(wl), "events": res.events, "wall_s": round(res.wall_s, 2),
-            "events_per_s": round(res.events / res.wall_s), "stable": res.stable,
-            "projected_wall_s_for_1h": round(per_sim_s * 3600), "under_1_min": False}
-
-
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
@@ -143,7 +122,7 @@ def main() -> None:
     args.rate_list = [float(r) for r in (args.rates or ("2,6" if args.quick else "2,4,8"))
                       .split(",")]
     args.num_prompts = args.num_prompts or (30 if args.quick else 80)
-    args.scale_seconds = args.scale_seconds or (5.0 if args.quick else 30.0)
+    args.scale_seconds = args.scale_seconds or (60.0 if args.quick else 300.0)
     load_before = os.getloadavg()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
@@ -176,8 +155,7 @@ def main() -> None:
     by_metric = {k: round(statistics.median([r["rel_err"] for r in rows if r["metric"] == k
                                              and r["rel_err"] is not None]), 3)
                  for k in {r["metric"] for r in rows}}
-    sc = scale(reference_profile(args.model), args.scale_seconds)
-    sc["under_1_min"] = sc["projected_wall_s_for_1h"] < 60
+    sc, _ = scale_measure(args.scale_seconds, min(3.0, args.scale_seconds))
     print("scale:", sc)
     summary = {"median_rel_err": round(statistics.median(errs), 3),
                "median_rel_err_without_background_load": round(

@@ -10,8 +10,11 @@ yields to the least-loaded one beyond the balance thresholds) and the least-load
 node (ties at random); the decode node pre-allocates; one control round-trip later the
 request enters the prefill node's queue; each chunk's pages go out on the prefill node's
 single transfer thread after that chunk's step; the first token streams when the decode node
-commits the KV (at its next step start); decode steps make the rest. Colocated: the router
-sends to the least-loaded node; TTFT is the end of the last prefill chunk's step.
+commits the KV (at its next step start); decode steps make the rest. An idle node starts
+its step after every event of the same instant (a `KICK` event queued behind them), so
+prompts entering, or KV landing, at one instant share a batch as in the engine.
+Colocated: the router sends to the least-loaded node; TTFT is the end of the last prefill
+chunk's step.
 
 Machine sharing: with `machine_cores > 0` all nodes share one machine of that many cores
 and a step starting while `n` nodes compute (itself included) takes
@@ -34,7 +37,7 @@ from pdserve.plan.sim_node import NodeSpec, SimNode
 from pdserve.plan.sim_router import LoadIndex, pick_prefill
 from pdserve.plan.workload import Workload
 
-PREFILL_IN, STEP_END, KV_DONE = 0, 1, 2
+PREFILL_IN, STEP_END, KV_DONE, KICK = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ class Simulator:
             self._finish(rid, first)
         else:
             d.join(rid, self.isl[rid], self.osl[rid] - 1)
-        self._kick(d, t)
+        if not d.busy:  # after every other KV landing at this instant: one batch
+            self._push(t, KICK, d.idx, 1)
 
     def _finish(self, rid: int, t: float) -> None:
         self.end[rid] = t
@@ -231,10 +235,13 @@ class Simulator:
                     self._step_end(nodes[b][a], t)
                 elif kind == KV_DONE:
                     self._kv_done(a, self.pn[b], t)
+                elif kind == KICK:
+                    self._kick(nodes[b][a], t)
                 else:
                     node = self.pn[b]
                     node.waiting.append(a)
-                    self._kick(node, t)
+                    if not node.busy:  # after every other entry at this instant
+                        self._push(t, KICK, b, 0)
             events += 1
         return self._result(wl, t, stable, events, time.perf_counter() - t0)
 
