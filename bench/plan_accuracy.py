@@ -9,12 +9,14 @@
    (250P250D) at 10,000 req/s for `--scale-seconds` simulated seconds with the fast
    simulator, and the projected wall time of one simulated hour.
 Every process of a stack shares this machine's cores: the simulation models that with
-`machine_cores = os.cpu_count()` (a step that starts while n nodes compute is n x slower
-when each node's torch threads fill the machine). Other processes on the machine are
-modelled as `background_load` = the load average just before each stack starts minus the
-one while profiling (the profile already carries that much contention) (`pred_loaded`);
-`pred_quiet` assumes none. Both are reported. Simulator speed is timed on a fixed
-GPU-like reference profile, so it does not depend on how loaded this machine was.
+`machine_cores = os.cpu_count()` and the profile's measured contention curve (a step that
+starts while other nodes compute, or while other processes run, is as much slower as the
+profile measured with that many extra runnable threads beyond the background it was
+profiled under). Other processes on the machine are `background_load` = the mean
+count of runnable threads (`/proc/loadavg` field 4, less this sampler) over 2 s just
+before each stack starts (`pred_loaded`); `pred_quiet` assumes none. Both are reported,
+with that count. Simulator speed is timed on a fixed GPU-like reference profile, so it
+does not depend on how loaded this machine was.
 
     python bench/plan_accuracy.py [--quick] [--out bench/out/plan_accuracy.json]
 """
@@ -39,6 +41,7 @@ from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.loadtest.arrivals import arrival_times  # noqa: E402
 from pdserve.loadtest.report import row_stat  # noqa: E402
 from pdserve.plan.profile import run_profile  # noqa: E402
+from pdserve.plan.profile_contention import runnable_now  # noqa: E402
 from pdserve.plan.search import node_spec  # noqa: E402
 from pdserve.plan.sim import ClusterSpec, Simulator  # noqa: E402
 from pdserve.plan.workload import Workload  # noqa: E402
@@ -69,8 +72,9 @@ def predict(prof, shape: str, rate: float, args, background: float) -> dict:
 
 
 def measure(shape: str, rate: float, args, work: Path) -> dict:
-    """Run the shape for real; `rows["load"]` is the 1-minute load average just before the
-    stack started (other processes' runnable threads, for the background-load model)."""
+    """Run the shape for real; `rows["load"]` is the 1-minute load average and
+    `rows["runnable"]` the runnable threads of other processes just before the stack
+    started (for the background-load model)."""
     p, d, c = shape_of(shape)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -82,9 +86,10 @@ def measure(shape: str, rate: float, args, work: Path) -> dict:
                "--decode", str(d), "--transfer-backend", args.transfer_backend,
                "--log-dir", str(work / f"logs-{shape}")]
     load = os.getloadavg()[0]
+    runnable = runnable_now(2.0)
     proc = start(cmd, url, work / f"{shape}.log")
     out = work / f"{shape}.jsonl"
-    rows: dict = {"load": load}
+    rows: dict = {"load": load, "runnable": runnable}
     try:
         for r in args.rate_list:
             if r != rate and rate is not None:
@@ -137,8 +142,7 @@ def main() -> None:
             measured = measure(shape, None, args, work)
             for rate in args.rate_list:
                 quiet = predict(prof, shape, rate, args, 0.0)
-                extra = max(0.0, measured["load"] - statistics.mean(prof.points["loadavg"]))
-                loaded = predict(prof, shape, rate, args, extra)
+                loaded = predict(prof, shape, rate, args, measured["runnable"])
                 meas = measured[rate]
                 for m, q in METRICS:
                     key = f"{m}_p{q}"
@@ -147,9 +151,11 @@ def main() -> None:
                                  "measured_ms": meas[key], "rel_err_quiet": rel(quiet[key],
                                                                                meas[key]),
                                  "rel_err": rel(loaded[key], meas[key]),
-                                 "load": round(measured["load"], 2), "failed": meas["failed"]})
+                                 "load": round(measured["load"], 2),
+                                 "runnable": round(measured["runnable"], 2),
+                                 "failed": meas["failed"]})
     print_table(rows, ["shape", "rate", "metric", "pred_quiet_ms", "pred_loaded_ms",
-                       "measured_ms", "rel_err_quiet", "rel_err", "load", "failed"])
+                       "measured_ms", "rel_err_quiet", "rel_err", "load", "runnable", "failed"])
     errs = [r["rel_err"] for r in rows if r["rel_err"] is not None]
     errs_quiet = [r["rel_err_quiet"] for r in rows if r["rel_err_quiet"] is not None]
     by_metric = {k: round(statistics.median([r["rel_err"] for r in rows if r["metric"] == k
@@ -162,6 +168,8 @@ def main() -> None:
                    statistics.median(errs_quiet), 3),
                "median_rel_err_by_metric": by_metric, "goal_median_rel_err": 0.25,
                "profile": {"prefill_coef": prof.prefill_coef, "decode_coef": prof.decode_coef,
+                           "contention": prof.contention,
+                           "background_load": prof.background_load,
                            "request_overhead_s": prof.request_overhead_s,
                            "step_overhead_s": prof.step_overhead_s,
                            "transfer_gbps": prof.transfer_gbps},

@@ -20,7 +20,10 @@ Machine sharing: with `machine_cores > 0` all nodes share one machine of that ma
 and a step starting while `n` nodes compute (itself included) takes
 `max(1, (n * node_threads + background_load) / machine_cores)` times its profiled time
 (`background_load`: runnable threads of processes outside the cluster, e.g. the load
-average before the stack started).
+average before the stack started); with a measured contention curve in the profile, the
+curve's slowdown at `(n - 1) * node_threads + background_load` other runnable threads
+relative to the background the profile saw (`profile_contention.py`: a node whose threads
+fill the cores loses far more than a fair share to one extra thread).
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ class Simulator:
         c = self.c
         if c.machine_cores <= 0:
             return 1.0
+        # runnable threads besides the stepping node's (machine_busy counts it already)
+        measured = self.prof.slowdown((self.machine_busy - 1) * c.node_threads
+                                      + c.background_load)
+        if measured is not None:
+            return measured
         return max(1.0, (self.machine_busy * c.node_threads + c.background_load)
                    / c.machine_cores)
 
