@@ -39,13 +39,14 @@ from pdserve.plan.sim_lanes import DecodeLanes, prefill_lanes
 from pdserve.plan.workload import Workload
 
 
-def by_lane(lane: np.ndarray, nlanes: int, t: np.ndarray, base: np.ndarray
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def by_lane(lane: np.ndarray, nlanes: int, t: np.ndarray, base: np.ndarray,
+            lanes_sorted: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Order of `base` (indices, `t` nearly sorted along it) by (lane, t), and each lane's
-    [start, end) in that order. A radix sort on 16-bit lanes, then a merge sort on the
-    nearly sorted composite key (both far cheaper than one comparison sort of random keys)."""
+    [start, end) in that order. A radix sort on 16-bit lanes (skipped when `base` already
+    runs lane by lane), then a merge sort on the nearly sorted composite key (both far
+    cheaper than one comparison sort of random keys)."""
     small = lane.dtype if nlanes > 65535 else np.uint16
-    o1 = base[np.argsort(lane[base].astype(small), kind="stable")]
+    o1 = base if lanes_sorted else base[np.argsort(lane[base].astype(small), kind="stable")]
     off = 2.0 * (float(t.max()) + 1.0) if len(t) else 1.0
     o = o1[np.argsort(t[o1] + lane[o1] * off, kind="stable")]
     counts = np.bincount(lane, minlength=nlanes)
@@ -123,7 +124,7 @@ class FastSimulator:
             wait[ao] = dec.bound - arr[ao]  # pre-allocation waits on the decode nodes
         if self.prealloc == "rerun":
             entry = entry + wait
-            po, ps, pe = by_lane(plane, np_l, entry, po)
+            po, ps, pe = by_lane(plane, np_l, entry, po, True)
             kv, pbusy, psteps, dec = self._pass(entry, isl, steps, plane, dlane, nseg, po, ps,
                                                 pe, ao, None)
         first, end = kv.copy(), kv.copy()  # one output token: done when the KV lands
@@ -150,7 +151,7 @@ class FastSimulator:
     def _decode(self, kv: np.ndarray, isl: np.ndarray, steps: np.ndarray, dlane: np.ndarray,
                 nlanes: int, ao: np.ndarray, arrivals: tuple | None) -> DecodeLanes:
         live = ao[steps[ao] > 0]  # requests with decode steps, in (lane, arrival) order
-        order, ds, de = by_lane(dlane[live], nlanes, kv[live], np.arange(len(live)))
+        order, ds, de = by_lane(dlane[live], nlanes, kv[live], np.arange(len(live)), True)
         order = live[order]
         dec = DecodeLanes(self.prof, kv[order], isl[order], steps[order], ds, de,
                           *(arrivals or ()))
