@@ -5,15 +5,18 @@
 2. for each shape (1P1D, 1P2D, 2P1D, colocated) and rate: the simulator's p50/p90 TTFT and
    TPOT, then the same seeded `pdserve bench` run (same arrival times, fixed lengths)
    against `pdserve up` (or `pdserve serve` for colocated), and the relative error;
-3. simulator scale: 500 nodes (250P250D) at 10,000 req/s for `--scale-seconds` simulated
-   seconds, and the projected wall time of one simulated hour.
+3. simulator scale (`bench/plan_scale.py`, which also runs the whole hour): 500 nodes
+   (250P250D) at 10,000 req/s for `--scale-seconds` simulated seconds with the fast
+   simulator, and the projected wall time of one simulated hour.
 Every process of a stack shares this machine's cores: the simulation models that with
-`machine_cores = os.cpu_count()` (a step that starts while n nodes compute is n x slower
-when each node's torch threads fill the machine). Other processes on the machine are
-modelled as `background_load` = the load average just before each stack starts minus the
-one while profiling (the profile already carries that much contention) (`pred_loaded`);
-`pred_quiet` assumes none. Both are reported. Simulator speed is timed on a fixed
-GPU-like reference profile, so it does not depend on how loaded this machine was.
+`machine_cores = os.cpu_count()` and the profile's measured contention curve (a step that
+starts while other nodes compute, or while other processes run, is as much slower as the
+profile measured with that many extra runnable threads beyond the background it was
+profiled under). Other processes on the machine are `background_load` = the mean
+count of runnable threads (`/proc/loadavg` field 4, less this sampler) over 2 s just
+before each stack starts (`pred_loaded`); `pred_quiet` assumes none. Both are reported,
+with that count. Simulator speed is timed on a fixed GPU-like reference profile, so it
+does not depend on how loaded this machine was.
 
     python bench/plan_accuracy.py [--quick] [--out bench/out/plan_accuracy.json]
 """
@@ -31,16 +34,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
 from pd_vs_colocated import free_port, start, stop  # noqa: E402
+from plan_scale import measure as scale_measure  # noqa: E402
 
 from pdserve.cli import main as pdserve_main  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.loadtest.arrivals import arrival_times  # noqa: E402
 from pdserve.loadtest.report import row_stat  # noqa: E402
 from pdserve.plan.profile import run_profile  # noqa: E402
-from pdserve.plan.profile_model import Profile  # noqa: E402
+from pdserve.plan.profile_contention import runnable_now  # noqa: E402
 from pdserve.plan.search import node_spec  # noqa: E402
 from pdserve.plan.sim import ClusterSpec, Simulator  # noqa: E402
-from pdserve.plan.workload import Workload, synthetic  # noqa: E402
+from pdserve.plan.workload import Workload  # noqa: E402
 
 METRICS = (("ttft", 50), ("ttft", 90), ("tpot", 50), ("tpot", 90))
 
@@ -68,8 +72,9 @@ def predict(prof, shape: str, rate: float, args, background: float) -> dict:
 
 
 def measure(shape: str, rate: float, args, work: Path) -> dict:
-    """Run the shape for real; `rows["load"]` is the 1-minute load average just before the
-    stack started (other processes' runnable threads, for the background-load model)."""
+    """Run the shape for real; `rows["load"]` is the 1-minute load average and
+    `rows["runnable"]` the runnable threads of other processes just before the stack
+    started (for the background-load model)."""
     p, d, c = shape_of(shape)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -81,9 +86,10 @@ def measure(shape: str, rate: float, args, work: Path) -> dict:
                "--decode", str(d), "--transfer-backend", args.transfer_backend,
                "--log-dir", str(work / f"logs-{shape}")]
     load = os.getloadavg()[0]
+    runnable = runnable_now(2.0)
     proc = start(cmd, url, work / f"{shape}.log")
     out = work / f"{shape}.jsonl"
-    rows: dict = {"load": load}
+    rows: dict = {"load": load, "runnable": runnable}
     try:
         for r in args.rate_list:
             if r != rate and rate is not None:
@@ -106,28 +112,6 @@ def rel(pred: float, meas: float | None) -> float | None:
     return abs(pred - meas) / meas if meas else None
 
 
-def reference_profile(model: str) -> Profile:
-    """GPU-like round numbers: prefill 20k tok/s, decode step 15 ms + 0.1 ms/request,
-    25 GB/s transfer, 500k KV tokens per node (only the simulator's speed is measured)."""
-    return Profile(model=model, page_size=16, engine={"max_running_requests": 256},
-                   kv_bytes_per_token=65536, kv_pool_tokens=500_000, torch_threads=1,
-                   cpu_count=1, transfer_backend="mooncake", prefill_coef=[0.01, 5e-5, 0.0],
-                   decode_coef=[0.015, 1e-4, 1e-5], transfer_latency_s=0.001,
-                   transfer_gbps=25.0)
-
-
-def scale(prof: Profile, seconds: float) -> dict:
-    rate, nodes = 10_000.0, 500
-    wl = synthetic(rate, int(rate * seconds), "uniform:64:512", "uniform:8:64", seed=1)
-    cluster = ClusterSpec(prefill=nodes // 2, decode=nodes // 2, node=node_spec(prof))
-    res = Simulator(prof, cluster).run(wl)
-    per_sim_s = res.wall_s / max(res.duration, 1e-9)
-    return {"nodes": nodes, "rate": rate, "sim_seconds": round(res.duration, 2),
-            "requests": len(wl), "events": res.events, "wall_s": round(res.wall_s, 2),
-            "events_per_s": round(res.events / res.wall_s), "stable": res.stable,
-            "projected_wall_s_for_1h": round(per_sim_s * 3600), "under_1_min": False}
-
-
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
@@ -143,7 +127,7 @@ def main() -> None:
     args.rate_list = [float(r) for r in (args.rates or ("2,6" if args.quick else "2,4,8"))
                       .split(",")]
     args.num_prompts = args.num_prompts or (30 if args.quick else 80)
-    args.scale_seconds = args.scale_seconds or (5.0 if args.quick else 30.0)
+    args.scale_seconds = args.scale_seconds or (60.0 if args.quick else 300.0)
     load_before = os.getloadavg()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
@@ -158,8 +142,7 @@ def main() -> None:
             measured = measure(shape, None, args, work)
             for rate in args.rate_list:
                 quiet = predict(prof, shape, rate, args, 0.0)
-                extra = max(0.0, measured["load"] - statistics.mean(prof.points["loadavg"]))
-                loaded = predict(prof, shape, rate, args, extra)
+                loaded = predict(prof, shape, rate, args, measured["runnable"])
                 meas = measured[rate]
                 for m, q in METRICS:
                     key = f"{m}_p{q}"
@@ -168,22 +151,25 @@ def main() -> None:
                                  "measured_ms": meas[key], "rel_err_quiet": rel(quiet[key],
                                                                                meas[key]),
                                  "rel_err": rel(loaded[key], meas[key]),
-                                 "load": round(measured["load"], 2), "failed": meas["failed"]})
+                                 "load": round(measured["load"], 2),
+                                 "runnable": round(measured["runnable"], 2),
+                                 "failed": meas["failed"]})
     print_table(rows, ["shape", "rate", "metric", "pred_quiet_ms", "pred_loaded_ms",
-                       "measured_ms", "rel_err_quiet", "rel_err", "load", "failed"])
+                       "measured_ms", "rel_err_quiet", "rel_err", "load", "runnable", "failed"])
     errs = [r["rel_err"] for r in rows if r["rel_err"] is not None]
     errs_quiet = [r["rel_err_quiet"] for r in rows if r["rel_err_quiet"] is not None]
     by_metric = {k: round(statistics.median([r["rel_err"] for r in rows if r["metric"] == k
                                              and r["rel_err"] is not None]), 3)
                  for k in {r["metric"] for r in rows}}
-    sc = scale(reference_profile(args.model), args.scale_seconds)
-    sc["under_1_min"] = sc["projected_wall_s_for_1h"] < 60
+    sc, _ = scale_measure(args.scale_seconds, min(3.0, args.scale_seconds))
     print("scale:", sc)
     summary = {"median_rel_err": round(statistics.median(errs), 3),
                "median_rel_err_without_background_load": round(
                    statistics.median(errs_quiet), 3),
                "median_rel_err_by_metric": by_metric, "goal_median_rel_err": 0.25,
                "profile": {"prefill_coef": prof.prefill_coef, "decode_coef": prof.decode_coef,
+                           "contention": prof.contention,
+                           "background_load": prof.background_load,
                            "request_overhead_s": prof.request_overhead_s,
                            "step_overhead_s": prof.step_overhead_s,
                            "transfer_gbps": prof.transfer_gbps},

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from pdserve.plan.config import PlanConfig
 from pdserve.plan.profile_model import Profile
 from pdserve.plan.search import Outcome, evaluate, node_spec, parse_slos, search, verdict
-from pdserve.plan.sim import ClusterSpec, Simulator
+from pdserve.plan.sim import ClusterSpec
+from pdserve.plan.sim_fast import simulator_for
 from pdserve.plan.workload import Workload, load_trace, parse_dist, synthetic
 
 PLOT_RATES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -111,7 +112,7 @@ def _plot(cfg: PlanConfig, job: Job, results: list[Outcome]) -> None:
         pts = []
         for f in PLOT_RATES:
             wl = workload_at(cfg, rate * f)
-            res = Simulator(job.prof, o.cluster, cfg.seed).run(wl)
+            res = simulator_for(job.prof, o.cluster, wl, cfg.seed).run(wl)
             pts.append((wl.rate, evaluate(res, wl, o.cluster, o.cost, job.slos).attainment))
         curves[o.cluster.label()] = pts
     attainment_plot(cfg.plot, curves, rate, f"{job.prof.model}: SLO {' '.join(cfg.slo)}")

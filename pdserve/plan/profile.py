@@ -5,7 +5,8 @@
   attention pairs and wall time;
 - decode steps: batches of several sizes at two context lengths;
 - KV transfer between two real processes (`profile_transfer.py`);
-- the KV pool's capacity at `--kv-cache-mb`.
+- the KV pool's capacity at `--kv-cache-mb`;
+- the step's slowdown with other runnable threads beside it (`profile_contention.py`).
 Steps are timed around `Engine.step()` on the normal loop, so scheduling and result
 processing count, as they do on a CPU node (docs/architecture.md: Automatic loop choice).
 The cost models are fitted in `profile_model.py`.
@@ -26,11 +27,12 @@ from pdserve.sampling_params import SamplingParams
 
 QUICK = {"prompts": [32, 128, 384, 768, 1536], "batch_prompts": (4, 256),
          "decode_batches": [1, 4, 16, 32], "contexts": [64, 768], "decode_tokens": 12,
-         "reps": 3, "transfer_sizes": [64, 512, 2048], "transfer_reps": 3}
+         "reps": 3, "transfer_sizes": [64, 512, 2048], "transfer_reps": 3,
+         "contention_levels": 2, "contention_s": 1.5}
 FULL = {"prompts": [32, 128, 256, 512, 1024, 1536, 2047], "batch_prompts": (8, 256),
         "decode_batches": [1, 2, 4, 8, 16, 32, 64], "contexts": [64, 512, 1536],
         "decode_tokens": 16, "reps": 3, "transfer_sizes": [64, 256, 1024, 4096],
-        "transfer_reps": 5}
+        "transfer_reps": 5, "contention_levels": 3, "contention_s": 3.0}
 
 
 class StepRecorder:
@@ -95,11 +97,19 @@ def measure_engine(cfg: EngineConfig, plan: dict, log=print) -> tuple[dict, obje
                           plan["decode_tokens"], rng)
             decode += [p for p in pts if p[0] == "decode" and p[3] == b][1:]
     log(f"  decode: {len(decode)} decode steps measured")
+    slowdown = [1.0]
+    if plan.get("contention_levels", 0):
+        from pdserve.plan.profile_contention import measure_contention
+
+        slowdown = measure_contention(rec, rng, _ids, plan["contention_levels"],
+                                      seconds=plan.get("contention_s", 1.5))
+        log(f"  contention: step slowdown {[round(x, 2) for x in slowdown]} with 0.. "
+            "spinning processes beside it")
     info = {"extend": [list(p) for p in extend], "decode": [list(p) for p in decode],
             "pool_tokens": eng.max_total_tokens, "bytes_per_token": eng.layout.bytes_per_token,
             "layout": (eng.layout.num_layers, eng.layout.num_kv_heads, eng.layout.head_dim,
                        str(eng.layout.dtype).removeprefix("torch.")),
-            "describe": eng.describe()}
+            "describe": eng.describe(), "contention": slowdown}
     assert eng.pools_full(), "profiling leaked KV pages"
     eng.close()
     return info, eng
@@ -129,8 +139,11 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
     from pdserve.plan.profile_transfer import measure_transfer
 
     log(f"profiling {cfg.model} (page size {cfg.page_size}) with the real engine")
-    load = os.getloadavg()[0]
+    from pdserve.plan.profile_contention import runnable_now
+
+    load, before = os.getloadavg()[0], runnable_now()
     info, _ = measure_engine(cfg, plan, log)
+    background = (before + runnable_now()) / 2
     prefill, decode = fit_steps(info)
     log(f"  KV transfer ({backend}) between two processes")
     tx = measure_transfer(info["layout"], cfg.page_size, cfg.model, backend,
@@ -141,6 +154,7 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
         torch_threads=int(info["describe"]["torch_threads"]), cpu_count=os.cpu_count() or 1,
         transfer_backend=backend, prefill_coef=prefill, decode_coef=decode,
         transfer_latency_s=tx["latency_s"], transfer_gbps=tx["gbps"],
+        contention=info["contention"], background_load=round(background, 2),
         points={"extend": info["extend"], "decode": info["decode"],
                 "transfer": tx["points"], "engine": info["describe"],
                 "loadavg": [load, os.getloadavg()[0]]})

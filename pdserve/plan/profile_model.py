@@ -56,6 +56,10 @@ class Profile:
     transfer_gbps: float  # bytes / s / 1e9
     request_overhead_s: float = 0.0  # a node's HTTP path, added to TTFT (0: not measured)
     step_overhead_s: float = 0.0  # a node's per-step serving cost (token emission, detok)
+    # step slowdown with k = 0, 1, ... other runnable threads on the node's machine
+    # (profile_contention.py); [1.0]: not measured (the simulator shares cores linearly)
+    contention: list[float] = field(default_factory=lambda: [1.0])
+    background_load: float = 0.0  # runnable threads of other processes while profiling
     points: dict = field(default_factory=dict)  # raw measurements, for the record
     version: int = PROFILE_VERSION
 
@@ -67,6 +71,20 @@ class Profile:
     def decode_s(self, batch: float, ctx_sum: float) -> float:
         d0, d1, d2 = self.decode_coef
         return d0 + d1 * batch + d2 * ctx_sum / 1e3 + self.step_overhead_s
+
+    def slowdown(self, extra_threads: float) -> float | None:
+        """Step time with `extra_threads` other runnable threads on the machine over the
+        profiled step time (which already had `background_load` of them): the measured
+        curve at the difference, linear between its points and with the last slope beyond;
+        1 below the profile's background (its best-of-N step times are already the least
+        disturbed ones); None when not measured."""
+        c = self.contention
+        if len(c) < 2:
+            return None
+        x = max(0.0, extra_threads - self.background_load)
+        if x <= len(c) - 1:
+            return float(np.interp(x, range(len(c)), c))
+        return c[-1] + (c[-1] - c[-2]) * (x - len(c) + 1)
 
     def transfer_s(self, tokens: float) -> float:
         return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (
@@ -99,11 +117,15 @@ class Profile:
         if len(self.prefill_coef) != 3 or len(self.decode_coef) != 3:
             raise ProfileError("profile: prefill_coef and decode_coef need 3 numbers each")
         nums = [*self.prefill_coef, *self.decode_coef, self.transfer_latency_s,
-                self.request_overhead_s, self.step_overhead_s]
+                self.request_overhead_s, self.step_overhead_s, self.background_load]
         if any(not isinstance(v, (int, float)) or v < 0 for v in nums):
             raise ProfileError("profile: cost coefficients must be numbers >= 0")
         if self.transfer_gbps <= 0 or self.kv_pool_tokens <= 0 or self.page_size < 1:
             raise ProfileError("profile: transfer_gbps, kv_pool_tokens, page_size must be > 0")
+        c = self.contention
+        if (not c or c[0] != 1.0 or any(not isinstance(v, (int, float)) for v in c)
+                or any(c[i + 1] < c[i] for i in range(len(c) - 1))):
+            raise ProfileError("profile: contention must start at 1.0 and not decrease")
         if self.extend_s(1, 0) <= 0 or self.decode_s(1, 0) <= 0:
             raise ProfileError("profile: step cost models must be > 0")
 

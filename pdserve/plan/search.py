@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pdserve.plan.profile_model import Profile
-from pdserve.plan.sim import ClusterSpec, SimResult, Simulator
+from pdserve.plan.sim import ClusterSpec, SimResult
+from pdserve.plan.sim_fast import simulator_for
 from pdserve.plan.sim_node import NodeSpec
 from pdserve.plan.workload import Workload
 
@@ -123,7 +124,7 @@ def search(prof: Profile, wl: Workload, slos: dict[str, float], max_nodes: int,
     for c, cluster in candidates(max_nodes, cost, base):
         if levels_after is not None and c > levels_after:
             break
-        res = Simulator(prof, cluster, seed).run(wl)
+        res = simulator_for(prof, cluster, wl, seed).run(wl)
         out = evaluate(res, wl, cluster, c, slos)
         results.append(out)
         if log:

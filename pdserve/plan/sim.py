@@ -10,14 +10,20 @@ yields to the least-loaded one beyond the balance thresholds) and the least-load
 node (ties at random); the decode node pre-allocates; one control round-trip later the
 request enters the prefill node's queue; each chunk's pages go out on the prefill node's
 single transfer thread after that chunk's step; the first token streams when the decode node
-commits the KV (at its next step start); decode steps make the rest. Colocated: the router
-sends to the least-loaded node; TTFT is the end of the last prefill chunk's step.
+commits the KV (at its next step start); decode steps make the rest. An idle node starts
+its step after every event of the same instant (a `KICK` event queued behind them), so
+prompts entering, or KV landing, at one instant share a batch as in the engine.
+Colocated: the router sends to the least-loaded node; TTFT is the end of the last prefill
+chunk's step.
 
 Machine sharing: with `machine_cores > 0` all nodes share one machine of that many cores
 and a step starting while `n` nodes compute (itself included) takes
 `max(1, (n * node_threads + background_load) / machine_cores)` times its profiled time
 (`background_load`: runnable threads of processes outside the cluster, e.g. the load
-average before the stack started).
+average before the stack started); with a measured contention curve in the profile, the
+curve's slowdown at `(n - 1) * node_threads + background_load` other runnable threads
+relative to the background the profile saw (`profile_contention.py`: a node whose threads
+fill the cores loses far more than a fair share to one extra thread).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from pdserve.plan.sim_node import NodeSpec, SimNode
 from pdserve.plan.sim_router import LoadIndex, pick_prefill
 from pdserve.plan.workload import Workload
 
-PREFILL_IN, STEP_END, KV_DONE = 0, 1, 2
+PREFILL_IN, STEP_END, KV_DONE, KICK = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,11 @@ class Simulator:
         c = self.c
         if c.machine_cores <= 0:
             return 1.0
+        # runnable threads besides the stepping node's (machine_busy counts it already)
+        measured = self.prof.slowdown((self.machine_busy - 1) * c.node_threads
+                                      + c.background_load)
+        if measured is not None:
+            return measured
         return max(1.0, (self.machine_busy * c.node_threads + c.background_load)
                    / c.machine_cores)
 
@@ -178,7 +189,8 @@ class Simulator:
             self._finish(rid, first)
         else:
             d.join(rid, self.isl[rid], self.osl[rid] - 1)
-        self._kick(d, t)
+        if not d.busy:  # after every other KV landing at this instant: one batch
+            self._push(t, KICK, d.idx, 1)
 
     def _finish(self, rid: int, t: float) -> None:
         self.end[rid] = t
@@ -231,10 +243,13 @@ class Simulator:
                     self._step_end(nodes[b][a], t)
                 elif kind == KV_DONE:
                     self._kv_done(a, self.pn[b], t)
+                elif kind == KICK:
+                    self._kick(nodes[b][a], t)
                 else:
                     node = self.pn[b]
                     node.waiting.append(a)
-                    self._kick(node, t)
+                    if not node.busy:  # after every other entry at this instant
+                        self._push(t, KICK, b, 0)
             events += 1
         return self._result(wl, t, stable, events, time.perf_counter() - t0)
 

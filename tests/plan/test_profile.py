@@ -9,7 +9,7 @@ from pdserve.plan.profile_model import Profile
 
 TINY_PLAN = {"prompts": [16, 300], "batch_prompts": (2, 64), "decode_batches": [1, 4],
              "contexts": [32, 300], "decode_tokens": 5, "reps": 1, "transfer_sizes": [32, 512],
-             "transfer_reps": 1}
+             "transfer_reps": 1, "contention_levels": 1, "contention_s": 0.3}
 
 
 def test_profile_measures_and_round_trips(tmp_path):
@@ -25,6 +25,8 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert {p[1] for p in prof.points["decode"]} == {1, 4}
     assert prof.extend_s(256, 0) > 0 and prof.decode_s(4, 1000) > 0
     assert prof.transfer_gbps > 0 and len(prof.points["transfer"]) == 2
+    assert len(prof.contention) == 2 and prof.contention[1] >= prof.contention[0] == 1.0
+    assert prof.background_load >= 0
     serving = prof.points["serving"]  # through a real node: 33 tokens take longer than 1
     assert serving["tokens_s"] > serving["one_token_s"] > 0
     path = tmp_path / "p.json"

@@ -128,3 +128,31 @@ def test_background_load_takes_its_share_of_the_machine():
     work = wl([0.0], [100], [1])
     r = run(ClusterSpec(colocated=1, machine_cores=2, node_threads=2, background_load=2), work)
     assert r.ttft[0] == pytest.approx(2 * 0.110)  # (2 + 2) runnable threads on 2 cores
+
+
+def test_measured_contention_slows_shared_steps():
+    # two colocated nodes on one 2-core machine, 1 torch thread each: the linear share says
+    # no slowdown ((2 x 1) / 2 cores); the measured curve (3x with one extra runnable thread,
+    # profiled on a quiet machine) makes the overlapping steps 3x longer
+    work = wl([0.0, 0.0], [100, 100], [1, 1])
+    cluster = ClusterSpec(colocated=2, machine_cores=2, node_threads=1)
+    linear = run(cluster, work)
+    measured = run(cluster, work, contention=[1.0, 3.0])
+    assert linear.ttft[1] == pytest.approx(0.110)
+    assert measured.ttft[0] == pytest.approx(0.110)  # started alone
+    assert measured.ttft[1] == pytest.approx(3 * 0.110)  # started beside the first
+
+
+def test_profile_slowdown_curve():
+    prof = round_profile(contention=[1.0, 2.0, 5.0])
+    assert prof.slowdown(0) == 1.0 and prof.slowdown(1.5) == pytest.approx(3.5)
+    assert prof.slowdown(4) == pytest.approx(11.0)  # the last slope beyond the points
+    assert round_profile().slowdown(3) is None
+    # profiled beside 2 runnable threads: the curve starts there; fewer is no faster
+    loaded = round_profile(contention=[1.0, 2.0, 5.0], background_load=2.0)
+    assert loaded.slowdown(3) == pytest.approx(2.0)
+    assert loaded.slowdown(1.5) == loaded.slowdown(0) == 1.0
+    from pdserve.plan.profile_model import ProfileError
+
+    with pytest.raises(ProfileError, match="contention"):
+        round_profile(contention=[1.0, 3.0, 2.0]).check()
