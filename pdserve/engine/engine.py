@@ -19,7 +19,7 @@ from pdserve.engine.loops import NormalLoop, OverlapLoop
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Req
-from pdserve.engine.role import Role
+from pdserve.engine.role import Role, RoleContext
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.staging import StagingRing
@@ -76,7 +76,8 @@ class Engine:
             self.executor = InlineExecutor(runner)
             self.loop = NormalLoop(self.sched, self.executor, self.out)
         self.requests: dict[str, Req] = {}
-        self.role.attach(self)
+        self.role.attach(RoleContext(self.sched, self.out, self.kv, self.kv_pool,
+                                     cfg.max_running_requests))
 
     def _make_hicache(self) -> tuple[HostKVPool | None, HiCacheController | None]:
         """The host KV tier and its copy controller, when HiCache is on

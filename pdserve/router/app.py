@@ -119,7 +119,7 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     async def models():
         if not gw.model_name:
             return {"object": "list", "data": []}
-        tok = gw._tokenizer
+        tok = gw.loaded_tokenizer
         return {"object": "list", "data": [{
             "id": gw.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": tok.context_length if tok else None}]}
@@ -128,8 +128,8 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         return (await gw.tokenizer()).tok
 
     add_tokenize_routes(app, tokenizer, lambda: gw.model_name,
-                        lambda: gw._tokenizer.context_length,
-                        lambda: gw._tokenizer.vocab_size)
+                        lambda: gw.loaded_tokenizer.context_length,
+                        lambda: gw.loaded_tokenizer.vocab_size)
     texts: dict[int, TokenText] = {}
 
     def token_text(tok) -> TokenText:

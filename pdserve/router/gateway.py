@@ -62,6 +62,11 @@ class Gateway:
         await self.http.aclose()
         await asyncio.to_thread(self.watcher.close)
 
+    @property
+    def loaded_tokenizer(self) -> RouterTokenizer | None:
+        """The tokenizer once loaded (None before the first request needed it)."""
+        return self._tokenizer
+
     async def tokenizer(self) -> RouterTokenizer:
         if self._tokenizer is not None:
             return self._tokenizer
