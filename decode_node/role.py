@@ -28,7 +28,7 @@ from decode_node.state import DecodeState
 from kv_transfer import KVPoll, KVReceiver, KVTransferConfig
 from pdserve.disagg.metadata import MetadataPool, unpack_row
 from pdserve.disagg.transfer_setup import make_kv_manager
-from pdserve.engine.request import Req, ReqState
+from pdserve.engine.request import Req
 from pdserve.engine.role import Role, RoleContext
 
 log = logging.getLogger("pdserve.decode")
@@ -140,11 +140,11 @@ class DecodeRole(Role):
         if req.params.logprobs is not None:
             req.output_logprobs = [None]  # the prefill node's answer carries this entry
         req.launched_outputs = 1
-        req.state = ReqState.RUNNING
-        self.queue.add_prefilled(req)
         reason = self.out.stop_reason(req)  # the first token may already end it
         if reason:
-            self.out.finish(req, reason)
+            self.out.finish(req, reason)  # never joins the running batch
+        else:
+            self.queue.add_prefilled(req)
 
     def _fail(self, req: Req, reason: str, prefill_fault: bool = False) -> None:
         """The receiver is terminal here, so no write can land: free everything now.

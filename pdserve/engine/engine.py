@@ -130,6 +130,15 @@ class Engine:
                              f"({params.max_new_tokens}) needs more KV than the pool holds "
                              f"({self.max_total_tokens} tokens)")
 
+    def num_waiting(self) -> int:
+        """Requests queued for prefill (a server bounds this queue)."""
+        return len(self.sched.waiting)
+
+    def flush_cache(self) -> None:
+        """Drop every unlocked prefix from the cache (in-use prefixes stay)."""
+        if self.kv.cache is not None:
+            self.kv.cache.reset()
+
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
         if req is None:
