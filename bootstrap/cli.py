@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("config %s", config.describe())
     # Access logs only at debug: every node heartbeats every TTL/3.
-    from pdserve.http_guard import HttpLimits, guarded_protocol
+    from pdserve.http.guard import HttpLimits, guarded_protocol
 
     limits = HttpLimits(config.header_timeout_s, config.body_timeout_s, config.max_connections)
     uvicorn.run(

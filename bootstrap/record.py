@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.plain_json import unsafe_reason
+from pdserve.http.plain_json import unsafe_reason
 
 # Node and instance ids travel in URL paths and Redis keys: keep them to a safe alphabet,
 # starting with an alphanumeric so "." and ".." (which URL clients normalise away) and

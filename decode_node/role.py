@@ -34,8 +34,8 @@ from pdserve.disagg.tp_transfer import (
     tp_registry_fields,
 )
 from pdserve.disagg.transfer_setup import make_kv_manager
-from pdserve.engine.request import ReqState
-from pdserve.engine.role import Role
+from pdserve.engine.request import Req
+from pdserve.engine.role import Role, RoleContext
 
 log = logging.getLogger("pdserve.decode")
 
@@ -46,21 +46,22 @@ class DecodeRole(Role):
     def __init__(self, transfer: KVTransferConfig, model_name: str) -> None:
         self.transfer_cfg = transfer
         self.model_name = model_name
-        self.prealloc: list = []  # step 2
-        self.transferring: list = []  # step 3
-        self.draining: list = []  # aborted while transferring: waiting for Failed
+        self.prealloc: list[Req] = []  # step 2
+        self.transferring: list[Req] = []  # step 3
+        self.draining: list[Req] = []  # aborted while transferring: waiting for Failed
 
-    def attach(self, engine) -> None:
-        super().attach(engine)
-        self.meta = MetadataPool(2 * engine.cfg.max_running_requests)
-        tp = engine.cfg.tp_size
-        self.mgr = make_kv_manager(engine, "decode", self.meta, self.transfer_cfg,
+    def attach(self, ctx: RoleContext) -> None:
+        super().attach(ctx)
+        self.max_requests = ctx.max_running_requests
+        self.meta = MetadataPool(2 * ctx.max_running_requests)
+        tp = ctx.tp_size
+        self.mgr = make_kv_manager(ctx.kv_pool, "decode", self.meta, self.transfer_cfg,
                                    tp_model_name(self.model_name, 0, tp))
         self.tp_fields = None if tp == 1 else start_worker_transfers(
-            engine, "decode", self.transfer_cfg, self.model_name, self.meta.size)
+            ctx.tp, "decode", self.transfer_cfg, self.model_name, self.meta.size, tp)
 
     # 1. arrival ------------------------------------------------------------------------------
-    def add_request(self, req, extra: dict) -> None:
+    def add_request(self, req: Req, extra: dict) -> None:
         room = extra.pop("bootstrap_room", None)
         endpoint = extra.pop("prefill_kv_endpoint", None)
         endpoints = extra.pop("prefill_kv_endpoints", None) or [endpoint]
@@ -74,12 +75,12 @@ class DecodeRole(Role):
         # The prefill node computes the prompt's logprobs (and the first token's); the
         # router merges them in (docs/architecture.md: Logprobs).
         req.params.prompt_logprobs = None
-        tp = self.engine.cfg.tp_size
+        tp = self.ctx.tp_size
         if len(endpoints) != tp:
             raise ValueError(f"the prefill node runs TP {len(endpoints)} and this decode node "
                              f"TP {tp}: KV moves only between equal TP sizes (rank to rank)")
         receiver = KVReceiver(self.mgr, room, endpoint) if tp == 1 else TPReceiver(
-            self.mgr, room, self.engine.tp, endpoints)
+            self.mgr, room, self.ctx.tp, endpoints)
         req.pd = DecodeState(room, receiver)
         self.prealloc.append(req)
 
@@ -93,7 +94,7 @@ class DecodeRole(Role):
             if req.pd.receiver.poll().terminal:
                 self.draining.remove(req)
                 self._free_meta(req)
-                self.engine.out.complete(req, cache_it=False)
+                self.out.complete(req, cache_it=False)
         return committed
 
     # 2. pre-allocation ----------------------------------------------------------------------------
@@ -110,24 +111,20 @@ class DecodeRole(Role):
             self.prealloc.pop(0)
             self.transferring.append(req)
 
-    def _try_allocate(self, req) -> bool:
+    def _try_allocate(self, req: Req) -> bool:
         """Pre-allocate under the scheduler's admission rule, with the requests still
         transferring counted as soon-to-run; while retracted requests wait for pages the
         rule keeps those pages for them (no new pre-allocation takes them)."""
-        eng = self.engine
-        busy = len(eng.sched.running) + len(eng.sched.waiting) + len(self.transferring)
-        if busy >= eng.cfg.max_running_requests or self.meta.num_free == 0:
+        busy = self.queue.num_requests() + len(self.transferring)
+        if busy >= self.max_requests or self.meta.num_free == 0:
             return False
-        if not eng.sched.can_admit(req, len(req.prompt_ids), handover=self.transferring):
+        if not self.queue.can_admit(req, len(req.prompt_ids), handover=self.transferring):
             return False
         req.fill_ids = list(req.prompt_ids)
-        if not eng.kv.admit(req):
-            return False
-        if eng.kv.extend(req, len(req.prompt_ids)) is None:
-            eng.kv.release(req, cache_it=False)
+        if not self.kv.preallocate(req, len(req.prompt_ids)):
             return False
         req.pd.meta_slot = self.meta.alloc()
-        first = req.cached_len // eng.cfg.page_size
+        first = req.cached_len // self.kv.page_size
         req.pd.receiver.init(req.pages[first:], req.pd.meta_slot, prefix_len=req.cached_len)
         return True
 
@@ -137,7 +134,7 @@ class DecodeRole(Role):
         committed = False
         for req in list(self.transferring):
             state = req.pd.receiver.poll()
-            if state == KVPoll.Success and self.engine.kv.loading_pages(req):
+            if state == KVPoll.Success and self.kv.loading_pages(req):
                 continue  # its cached prefix is still loading from the HiCache host tier
             if state == KVPoll.Success:
                 self.transferring.remove(req)
@@ -149,7 +146,7 @@ class DecodeRole(Role):
                            req.pd.receiver.peer_fault)
         return committed
 
-    def _commit(self, req) -> None:
+    def _commit(self, req: Req) -> None:
         room, token, _ = unpack_row(req.pd.receiver.metadata()[0])
         self._free_meta(req)
         if room != req.pd.room:
@@ -159,13 +156,13 @@ class DecodeRole(Role):
         if req.params.logprobs is not None:
             req.output_logprobs = [None]  # the prefill node's answer carries this entry
         req.launched_outputs = 1
-        req.state = ReqState.RUNNING
-        self.engine.sched.add_prefilled(req)
-        reason = self.engine.out.stop_reason(req)  # the first token may already end it
+        reason = self.out.stop_reason(req)  # the first token may already end it
         if reason:
-            self.engine.out.finish(req, reason)
+            self.out.finish(req, reason)  # never joins the running batch
+        else:
+            self.queue.add_prefilled(req)
 
-    def _fail(self, req, reason: str, prefill_fault: bool = False) -> None:
+    def _fail(self, req: Req, reason: str, prefill_fault: bool = False) -> None:
         """The receiver is terminal here, so no write can land: free everything now.
         `prefill_fault`: the prefill node caused it; the client (the router) is told so
         with the error code `prefill_failed`, to blame that node and retry elsewhere."""
@@ -173,10 +170,10 @@ class DecodeRole(Role):
         req.error = f"KV transfer from the prefill node failed: {reason}" if prefill_fault \
             else reason
         req.error_code = "prefill_failed" if prefill_fault else None
-        self.engine.out.finish(req, "error", cache_it=False)
+        self.out.finish(req, "error", cache_it=False)
 
     # any end -------------------------------------------------------------------------------------
-    def hold_on_finish(self, req) -> bool:
+    def hold_on_finish(self, req: Req) -> bool:
         if req in self.prealloc:
             self.prealloc.remove(req)
             req.pd.receiver.abort(req.error or "aborted")
@@ -188,7 +185,7 @@ class DecodeRole(Role):
             return True
         return False
 
-    def _free_meta(self, req) -> None:
+    def _free_meta(self, req: Req) -> None:
         if req.pd.meta_slot is not None:
             self.meta.free(req.pd.meta_slot)
             req.pd.meta_slot = None

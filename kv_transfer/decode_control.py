@@ -80,6 +80,10 @@ class DecodeControl(ControlLoop):
         self._fencing: dict[int, tuple[float, ReceiverRoom, str]] = {}
         self._fence = fence  # the receiver's check of each write, where it sees them
 
+    def num_rooms(self) -> int:
+        """Rooms still tracked; len() of a dict is safe to read from another thread."""
+        return len(self._rooms)
+
     # ---- operations posted by KVReceiver ----------------------------------------------
 
     def add_receiver(self, room: int, status: RoomStatus, endpoint: str) -> None:

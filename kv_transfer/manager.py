@@ -124,7 +124,7 @@ class TransferManager:
         request has ended, whatever the failures; len() of its dict is safe to read from
         another thread)."""
         control = self._prefill if self._prefill is not None else self._decode
-        live = len(control._rooms) if control is not None else 0  # noqa: SLF001
+        live = control.num_rooms() if control is not None else 0
         return {**self.stats.snapshot(), "live_rooms": live}
 
     # ---- engine access (prefill) ----------------------------------------------------------

@@ -76,6 +76,10 @@ class PrefillControl(ControlLoop):
         self._peers: dict[bytes, DecodePeer] = {}
         self._src_bufs = args.layer_buffers()
 
+    def num_rooms(self) -> int:
+        """Rooms still tracked; len() of a dict is safe to read from another thread."""
+        return len(self._rooms)
+
     # ---- operations posted by KVSender ------------------------------------------------
 
     def add_sender(self, room: int, status: RoomStatus) -> None:

@@ -35,8 +35,9 @@ from pdserve.disagg.tp_transfer import (
     tp_registry_fields,
 )
 from pdserve.disagg.transfer_setup import make_kv_manager
-from pdserve.engine.request import ReqState
-from pdserve.engine.role import Role
+from pdserve.engine.batch import Batch
+from pdserve.engine.request import Req, ReqState
+from pdserve.engine.role import Role, RoleContext
 from prefill_node.bookkeeping import SendProgress
 from prefill_node.state import PrefillState
 
@@ -51,23 +52,23 @@ class PrefillRole(Role):
         self.transfer_cfg = transfer
         self.model_name = model_name
         self.early_send = early_send
-        self.bootstrap: list = []  # step 2
-        self.inflight: list = []  # step 6
-        self.live: list = []  # past bootstrap, not yet in inflight: watched for sender failure
+        self.bootstrap: list[Req] = []  # step 2
+        self.inflight: list[Req] = []  # step 6
+        self.live: list[Req] = []  # past bootstrap, not yet in inflight: watched for failure
         self.early_sent_pages = 0
 
-    def attach(self, engine) -> None:
-        super().attach(engine)
-        self.page_size = engine.cfg.page_size
-        self.meta = MetadataPool(4 * engine.cfg.max_running_requests)
-        tp = engine.cfg.tp_size
-        self.mgr = make_kv_manager(engine, "prefill", self.meta, self.transfer_cfg,
+    def attach(self, ctx: RoleContext) -> None:
+        super().attach(ctx)
+        self.page_size = ctx.kv.page_size
+        self.meta = MetadataPool(4 * ctx.max_running_requests)
+        tp = ctx.tp_size
+        self.mgr = make_kv_manager(ctx.kv_pool, "prefill", self.meta, self.transfer_cfg,
                                    tp_model_name(self.model_name, 0, tp))
         self.tp_fields = None if tp == 1 else start_worker_transfers(
-            engine, "prefill", self.transfer_cfg, self.model_name, self.meta.size)
+            ctx.tp, "prefill", self.transfer_cfg, self.model_name, self.meta.size, tp)
 
     # 1. arrival --------------------------------------------------------------------------
-    def add_request(self, req, extra: dict) -> None:
+    def add_request(self, req: Req, extra: dict) -> None:
         room = extra.pop("bootstrap_room", None)
         extra.pop("prefill_node_id", None)
         if extra:
@@ -75,7 +76,7 @@ class PrefillRole(Role):
         if not isinstance(room, int) or not 0 <= room < 1 << 63:
             raise ValueError("a prefill node needs `bootstrap_room` (an integer in [0, 2^63))")
         req.params.max_new_tokens = 1  # the decode node generates the rest
-        tp = self.engine.tp
+        tp = self.ctx.tp
         sender = KVSender(self.mgr, room) if tp is None else TPSender(self.mgr, room, tp)
         req.pd = PrefillState(room, sender,
                               SendProgress(len(req.prompt_ids), self.page_size))
@@ -98,7 +99,7 @@ class PrefillRole(Role):
                 req.pd.sender.init(req.pd.progress.total_pages, slot)
                 self.bootstrap.remove(req)
                 self.live.append(req)
-                self.engine.sched.add(req)
+                self.queue.add(req)
         for req in list(self.live):
             if req.pd.sender.poll() == KVPoll.Failed and not req.finished:
                 self._fail(req, req.pd.sender.failure_reason or "KV transfer failed")
@@ -111,27 +112,27 @@ class PrefillRole(Role):
                     req.error = req.pd.sender.failure_reason or "KV transfer failed"
                 self.inflight.remove(req)
                 self._free_meta(req)
-                self.engine.out.complete(req)
+                self.out.complete(req)
         return False  # no new tokens here: the first token is sampled by a forward
 
-    def _fail(self, req, reason: str) -> None:
+    def _fail(self, req: Req, reason: str) -> None:
         req.error = reason
-        self.engine.out.finish(req, "error")
+        self.out.finish(req, "error")
 
     # 3. admission: early send of cached prefix pages ---------------------------------------
-    def loading_pages(self, req) -> frozenset[int]:
+    def loading_pages(self, req: Req) -> frozenset[int]:
         """Indices of the request's pages (positions in `req.pages`, not pool ids) that a
         HiCache host->device load is still writing (docs/architecture.md: HiCache)."""
-        return self.engine.kv.loading_pages(req)
+        return self.kv.loading_pages(req)
 
-    def on_admitted(self, req) -> None:
+    def on_admitted(self, req: Req) -> None:
         if not self.early_send or not req.cached_len:
             return
         pages = req.pd.progress.early_send(req.cached_len, self.loading_pages(req))
         self._send(req, pages)
         self.early_sent_pages += len(pages)
 
-    def _send_loaded(self, req) -> None:
+    def _send_loaded(self, req: Req) -> None:
         """Cached pages held back because their load was pending go out, in order, as
         soon as the load is done (or with the next chunk result, whichever comes first)."""
         if (not self.early_send or req.state is not ReqState.RUNNING or req.slot is None
@@ -143,7 +144,7 @@ class PrefillRole(Role):
         self.early_sent_pages += len(pages)
 
     # 4. chunks ------------------------------------------------------------------------------
-    def on_extend_scheduled(self, batch) -> None:
+    def on_extend_scheduled(self, batch: Batch) -> None:
         for row in batch.rows:
             end = row.start + row.q_len
             if bool(row.future_id) != (end == len(row.req.prompt_ids)):
@@ -151,15 +152,14 @@ class PrefillRole(Role):
                                    f"{bool(row.future_id)}")
             row.req.pd.progress.chunk_scheduled(end)
 
-    def on_extend_processed(self, batch) -> None:
+    def on_extend_processed(self, batch: Batch) -> None:
         """The batch's forward is done: each row's chunk is sent as the bookkeeping decides
         (runs while the next batch's forward runs, under the overlap loop)."""
         for row in batch.rows:
             req = row.req
-            if req.load_op and self.engine.hicache is not None:
-                # This forward read every layer of the load, so it is complete; wait only
-                # for the copy thread to publish that (a few instructions).
-                self.engine.hicache.wait(req.load_op)
+            # This forward read every layer of any HiCache load of the request, so the load
+            # is complete; wait only for the copy thread to publish that (a few instructions).
+            self.kv.wait_loaded(req)
             aborted = req.finish_reason in ("abort", "error")
             pages, last = req.pd.progress.chunk_done(aborted, row_end=row.start + row.q_len)
             if last and not aborted:  # 5. the first token is known now
@@ -170,7 +170,7 @@ class PrefillRole(Role):
                 self._send(req, pages)
 
     # 5. last chunk (and every other end) ------------------------------------------------------
-    def hold_on_finish(self, req) -> bool:
+    def hold_on_finish(self, req: Req) -> bool:
         """A normal finish happens while the last chunk's result is processed; its pages
         and metadata row go out right after, in `on_extend_processed`."""
         if req in self.bootstrap:  # no KV yet
@@ -184,10 +184,10 @@ class PrefillRole(Role):
         self.inflight.append(req)
         return True
 
-    def may_retract(self, req) -> bool:
+    def may_retract(self, req: Req) -> bool:
         return False  # pages may already be queued on the sender: never take them back
 
-    def abort_held(self, req) -> bool:
+    def abort_held(self, req: Req) -> bool:
         """An abort while the KV is being sent (inflight queue): stop the transfer so the
         decode leg fails fast; the KV is freed once the sender is terminal."""
         if req not in self.inflight or req.pd.sender.poll().terminal:
@@ -196,12 +196,12 @@ class PrefillRole(Role):
         req.pd.sender.abort("aborted")
         return True
 
-    def _send(self, req, pages: range) -> None:
+    def _send(self, req: Req, pages: range) -> None:
         if len(pages):
             self._guard(req, pages)
             req.pd.sender.send([req.pages[p] for p in pages])
 
-    def _guard(self, req, pages: range) -> None:
+    def _guard(self, req: Req, pages: range) -> None:
         """Never hand the sender a page a HiCache load is still writing: it would ship
         whatever the freed device page held before."""
         loading = self.loading_pages(req)
@@ -209,7 +209,7 @@ class PrefillRole(Role):
             raise RuntimeError(f"refusing to send pages of {req.rid} whose HiCache load is "
                                f"pending: {sorted(loading.intersection(pages))}")
 
-    def _free_meta(self, req) -> None:
+    def _free_meta(self, req: Req) -> None:
         if req.pd.meta_slot is not None:
             self.meta.free(req.pd.meta_slot)
             req.pd.meta_slot = None

@@ -95,6 +95,11 @@ class HiCacheController:
     def done(self, op_id: int) -> bool:
         return op_id <= self._done_upto
 
+    @property
+    def last_op(self) -> int:
+        """The newest submitted op (0: none yet); waiting for it waits for every op."""
+        return self._next_id
+
     def is_loading(self) -> bool:
         """A load was submitted and has not completed."""
         return self.last_load > self._done_upto

@@ -288,6 +288,11 @@ class HiRadixCache(RadixCache):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
+    @property
+    def has_pending(self) -> bool:
+        """Some submitted copy is not acknowledged yet (its node is still locked)."""
+        return bool(self._pending)
+
     def reset(self) -> None:
         """Drop everything unlocked from both tiers (tests: pools back to full)."""
         if self._pending:

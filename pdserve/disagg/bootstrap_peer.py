@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from pdserve.server.errors import ApiError
+from pdserve.http.errors import ApiError
 
 CACHE_S = 2.0
 TIMEOUT_S = 5.0

@@ -23,8 +23,8 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.http.errors import error_response, install_error_handlers
 from pdserve.ports import check_port_free
-from pdserve.server.api import error_response, install_error_handlers
 
 PUBLIC_FIELDS = ("node_id", "instance_id", "role", "http_url", "kv_endpoint",
                  "transfer_session", "transfer_backend", "model", "page_size", "kv_layout")

@@ -9,8 +9,8 @@ import time
 from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryError
 from bootstrap.record import RegisteredNode, new_instance_id
+from pdserve.http.errors import ApiError
 from pdserve.netaddr import http_url
-from pdserve.server.protocol import ApiError
 
 
 def node_record(cfg, ready) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 from typing import BinaryIO
 
 from kv_transfer import KVReceiver, KVSender, KVTransferConfig
@@ -29,7 +28,7 @@ class WorkerTransfer:
                  ) -> None:
         self.rank, self.out, self.out_lock = rank, out, out_lock
         self.meta = MetadataPool(int(msg["meta_rows"]))
-        self.mgr = make_kv_manager(SimpleNamespace(kv_pool=pool), msg["role"], self.meta,
+        self.mgr = make_kv_manager(pool, msg["role"], self.meta,
                                    KVTransferConfig(**msg["config"]),
                                    tp_model_name(msg["model"], rank, msg["size"]))
         self.rooms: dict[int, KVSender | KVReceiver] = {}

@@ -30,13 +30,12 @@ def tp_model_name(model: str, rank: int, size: int) -> str:
     return model if size == 1 else f"{model} (TP rank {rank} of {size})"
 
 
-def start_worker_transfers(engine, role: str, cfg: KVTransferConfig, model: str,
-                           meta_rows: int) -> tuple[dict, ...]:
+def start_worker_transfers(tp, role: str, cfg: KVTransferConfig, model: str,
+                           meta_rows: int, size: int) -> tuple[dict, ...]:
     """Each worker rank registers its own pool with its own TransferManager; returns their
-    registry fields (rank 1..N-1)."""
-    tp = engine.tp
+    registry fields (rank 1..N-1). `tp`: the engine's TPModel (rank 0's handle)."""
     tp.send_op({"op": "transfer", "role": role, "config": dataclasses.asdict(cfg),
-                "model": model, "meta_rows": meta_rows, "size": engine.cfg.tp_size})
+                "model": model, "meta_rows": meta_rows, "size": size})
     return tuple(r["fields"] for r in tp.replies.wait_ready(READY_TIMEOUT_S))
 
 

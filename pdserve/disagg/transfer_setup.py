@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from kv_transfer import KVArgs, KVTransferConfig, TransferManager
 from pdserve.disagg.metadata import MetadataPool
+from pdserve.memory.kv_pool import KVPool
 
 
-def make_kv_manager(engine, role: str, meta: MetadataPool, cfg: KVTransferConfig,
+def make_kv_manager(pool: KVPool, role: str, meta: MetadataPool, cfg: KVTransferConfig,
                     model_name: str) -> TransferManager:
     """The pool's per-layer K/V buffers are registered as they are: page p means the same
     bytes on every layer of both nodes (docs/architecture.md: Memory). A pool on a GPU is
     read and written through a pinned bounce buffer (docs/architecture.md: KV transfer)."""
-    pool = engine.kv_pool
     args = KVArgs.from_tensors(pool.k_buffers, pool.v_buffers, pool.page_size, model_name,
                                meta_bufs=[meta.buffer])
     memory = None

@@ -19,7 +19,7 @@ from pdserve.engine.loops import NormalLoop, OverlapLoop
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Req
-from pdserve.engine.role import Role
+from pdserve.engine.role import Role, RoleContext
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.staging import StagingRing
@@ -87,7 +87,8 @@ class Engine:
             self.executor = InlineExecutor(runner)
             self.loop = NormalLoop(self.sched, self.executor, self.out)
         self.requests: dict[str, Req] = {}
-        self.role.attach(self)
+        self.role.attach(RoleContext(self.sched, self.out, self.kv, self.kv_pool,
+                                     cfg.max_running_requests, cfg.tp_size, self.tp))
 
     def _make_hicache(self) -> tuple[HostKVPool | None, HiCacheController | None]:
         """The host KV tier and its copy controller, when HiCache is on
@@ -139,6 +140,15 @@ class Engine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
                              f"({params.max_new_tokens}) needs more KV than the pool holds "
                              f"({self.max_total_tokens} tokens)")
+
+    def num_waiting(self) -> int:
+        """Requests queued for prefill (a server bounds this queue)."""
+        return len(self.sched.waiting)
+
+    def flush_cache(self) -> None:
+        """Drop every unlocked prefix from the cache (in-use prefixes stay)."""
+        if self.kv.cache is not None:
+            self.kv.cache.reset()
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)

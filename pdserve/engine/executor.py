@@ -30,8 +30,9 @@ class ResultHandle:
         self._event = None  # torch.cuda.Event when the copy is asynchronous
         self._lp: LogprobOutput | None = None  # host copy, when the batch asked
 
-    def _set(self, host: torch.Tensor | None, event=None, error: BaseException | None = None,
-             lp: LogprobOutput | None = None):
+    def resolve(self, host: torch.Tensor | None, event=None,
+                error: BaseException | None = None, lp: LogprobOutput | None = None) -> None:
+        """Called once by the executor: the batch's sampled tokens (or its error)."""
         self._host, self._event, self._error, self._lp = host, event, error, lp
         self._done.set()
 
@@ -66,9 +67,9 @@ class InlineExecutor:
         t0 = time.thread_time()
         try:
             tokens, lp = self.runner.run(batch)
-            handle._set(tokens.to("cpu"), lp=lp.to_host() if lp is not None else None)
+            handle.resolve(tokens.to("cpu"), lp=lp.to_host() if lp is not None else None)
         except Exception as exc:  # surfaced to the scheduler through tokens()
-            handle._set(None, error=exc)
+            handle.resolve(None, error=exc)
         self.forward_cpu_s += time.thread_time() - t0
         return handle
 
@@ -107,13 +108,13 @@ class ThreadedExecutor:
             try:
                 self._run_one(batch, handle)
             except Exception as exc:
-                handle._set(None, error=exc)
+                handle.resolve(None, error=exc)
             self.forward_cpu_s += time.thread_time() - t0
 
     def _run_one(self, batch: Batch, handle: ResultHandle) -> None:
         if self.device.type != "cuda":
             tokens, lp = self.runner.run(batch)
-            handle._set(tokens, lp=lp)
+            handle.resolve(tokens, lp=lp)
             return
         with torch.cuda.stream(self.stream):
             tokens, lp = self.runner.run(batch)
@@ -127,7 +128,7 @@ class ThreadedExecutor:
         tokens.record_stream(self.copy_stream)
         for t in (lp.tensors().values() if lp is not None else ()):
             t.record_stream(self.copy_stream)
-        handle._set(host, event, lp=lp_host)
+        handle.resolve(host, event, lp=lp_host)
 
     def close(self) -> None:
         self._jobs.put(None)

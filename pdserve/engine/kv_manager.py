@@ -80,6 +80,16 @@ class KVManager:
             self.req_pool.write(slot, 0, self.kv.slots_of(req.pages, 0, req.kv_len))
         return True
 
+    def preallocate(self, req: Req, new_len: int) -> bool:
+        """`admit` plus pages for positions up to `new_len`, all or nothing: the decode
+        role's pre-allocation, whose pages another node fills. False: nothing held."""
+        if not self.admit(req):
+            return False
+        if self.extend(req, new_len) is None:
+            self.release(req, cache_it=False)
+            return False
+        return True
+
     def _match_and_load(self, req: Req, prefix: list[int]) -> tuple[list[int], object]:
         """HiCache admission: device hit plus, when worth it and the device has room, the
         host-only part loaded back (asynchronously; the batch waits per layer)."""
@@ -112,6 +122,12 @@ class KVManager:
         if self.ctrl is None or not req.load_op or self.ctrl.done(req.load_op):
             return frozenset()
         return frozenset(req.load_pages)
+
+    def wait_loaded(self, req: Req) -> None:
+        """Block until `req`'s HiCache load is published as done. Called once a forward read
+        every layer of it (so the copy is complete; the copy thread may lag a little)."""
+        if self.ctrl is not None and req.load_op:
+            self.ctrl.wait(req.load_op)
 
     def extend(self, req: Req, new_len: int) -> list[int] | None:
         """Allocate KV for positions [kv_len, new_len); return their slots (None: no room)."""
@@ -200,7 +216,7 @@ class KVManager:
     def drain_copies(self) -> None:
         """Wait for every submitted HiCache copy and acknowledge it (idle engine only)."""
         if self.hi is not None:
-            self.ctrl.wait(self.ctrl._next_id)
+            self.ctrl.wait(self.ctrl.last_op)
             self.hi.check_acks()
 
     def idle_is_full(self) -> bool:
@@ -208,4 +224,4 @@ class KVManager:
         return (s["free_pages"] + s["evictable_pages"] == s["total_pages"]
                 and s["free_slots"] == s["total_slots"]
                 and (self.cache is None or self.cache.locked_pages == 0)
-                and (self.hi is None or not self.hi._pending))
+                and (self.hi is None or not self.hi.has_pending))

@@ -4,16 +4,84 @@ Roles).
 The engine calls these hooks at fixed points of a request's life; the colocated role
 (this base class) does nothing special. `prefill_node.PrefillRole` and
 `decode_node.DecodeRole` override them to add their queues and KV transfers.
+
+A role never sees the engine. `attach` hands it a `RoleContext`: the three narrow
+collaborators it may call (the scheduler's queue, the output processor, the KV memory
+manager), each typed by the Protocol below that lists exactly what a role uses of it, plus
+the KV pool it registers with the transfer layer. Calls go one way: the engine calls the
+hooks, a role acts only through its context.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pdserve.engine.batch import Batch
-    from pdserve.engine.engine import Engine
     from pdserve.engine.request import Req
+    from pdserve.memory.kv_pool import KVPool
+
+
+@runtime_checkable
+class RequestQueue(Protocol):
+    """What a role may do with the scheduler (`pdserve.engine.scheduler.Scheduler`)."""
+
+    def add(self, req: Req) -> None:
+        """Queue `req` for prefill (the waiting queue)."""
+
+    def add_prefilled(self, req: Req) -> None:
+        """Put `req`, whose prompt KV and first token are in place, into the running batch."""
+
+    def can_admit(self, req: Req, fill_len: int, handover: Iterable[Req] = ()) -> bool:
+        """The node's one admission rule (`Scheduler.admission_pages`)."""
+
+    def num_requests(self) -> int:
+        """Requests the scheduler holds (waiting + running)."""
+
+
+@runtime_checkable
+class RequestOutput(Protocol):
+    """What a role may do with results (`pdserve.engine.output_processor.OutputProcessor`)."""
+
+    def stop_reason(self, req: Req) -> str | None:
+        """Why `req` must stop after its latest token (None: it goes on)."""
+
+    def finish(self, req: Req, reason: str, cache_it: bool = True) -> None:
+        """End `req` now (the role's `hold_on_finish` is asked whether it keeps the KV)."""
+
+    def complete(self, req: Req, cache_it: bool = True) -> None:
+        """Report a finished `req` whose KV the role held; its KV is freed when safe."""
+
+
+@runtime_checkable
+class RequestKV(Protocol):
+    """What a role may do with KV memory (`pdserve.engine.kv_manager.KVManager`)."""
+
+    page_size: int
+
+    def preallocate(self, req: Req, new_len: int) -> bool:
+        """A slot, the cached prefix and pages for `new_len` positions, all or nothing."""
+
+    def loading_pages(self, req: Req) -> frozenset[int]:
+        """Indices into `req.pages` a HiCache host->device load is still writing."""
+
+    def wait_loaded(self, req: Req) -> None:
+        """Block until `req`'s HiCache load (if any) is published as done."""
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """Everything a role is given of its engine (see the module docstring)."""
+
+    queue: RequestQueue
+    output: RequestOutput
+    kv: RequestKV
+    kv_pool: KVPool  # its buffers are what the transfer layer registers
+    max_running_requests: int
+    tp_size: int = 1  # ranks of this node (docs/architecture.md: Tensor parallelism)
+    tp: Any = None  # rank 0's TPModel when tp_size > 1: the roles repeat transfers on workers
 
 
 class Role:
@@ -22,14 +90,17 @@ class Role:
     # batch, whatever `consecutive_prefill` says (the prefill role: all its batches are).
     overlap_every_prefill = False
 
-    def attach(self, engine: Engine) -> None:
-        self.engine = engine
+    def attach(self, ctx: RoleContext) -> None:
+        """Called once by the engine, after it built its scheduler, output processor and
+        KV manager."""
+        self.ctx = ctx
+        self.queue, self.out, self.kv = ctx.queue, ctx.output, ctx.kv
 
     def add_request(self, req: Req, extra: dict) -> None:
         """A validated new request: colocated requests go straight to the waiting queue."""
         if extra:
             raise ValueError(f"unexpected fields for a colocated node: {sorted(extra)}")
-        self.engine.sched.add(req)
+        self.queue.add(req)
 
     def poll(self) -> bool:
         """Once per loop iteration, before scheduling: advance role-owned queues. Returns
@@ -52,7 +123,7 @@ class Role:
 
     def hold_on_finish(self, req: Req) -> bool:
         """`req` just finished (done, aborted or failed), wherever it was, role-owned queues
-        included. True: the role keeps its KV and calls `engine.out.complete` later."""
+        included. True: the role keeps its KV and calls `self.out.complete` later."""
         return False
 
     def may_retract(self, req: Req) -> bool:

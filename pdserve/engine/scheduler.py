@@ -56,6 +56,9 @@ class Scheduler:
         req.state = ReqState.RUNNING
         self.running.append(req)
 
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     def remove(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)

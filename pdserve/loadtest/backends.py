@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.http.sse import DONE, SSEFormatError, parse_data_line
 from pdserve.loadtest.dataset import Prompt
-from pdserve.sse import DONE, SSEFormatError, parse_data_line
 
 
 @dataclass

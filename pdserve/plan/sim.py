@@ -148,7 +148,7 @@ class Simulator:
                 return
             node.prealloc.popleft()
             node.receiving += 1
-            node.recv_reserve += spec.pages(isl) + node._reserve(osl - 1)
+            node.recv_reserve += spec.pages(isl) + node.reserve(osl - 1)
             self._push(t + self.handshake, PREFILL_IN, rid, self.req_p[rid])
 
     def _step_end(self, node: SimNode, t: float) -> None:
@@ -182,7 +182,7 @@ class Simulator:
         self.pin.add(p.idx, -1)
         d = self.dn[self.req_d[rid]]
         d.receiving -= 1
-        d.recv_reserve -= d.spec.pages(self.isl[rid]) + d._reserve(self.osl[rid] - 1)
+        d.recv_reserve -= d.spec.pages(self.isl[rid]) + d.reserve(self.osl[rid] - 1)
         first = d.t_end if d.busy else t  # committed at its next step start
         self.first[rid] = first
         if self.osl[rid] <= 1:

@@ -71,7 +71,8 @@ class SimNode:
         self.t_end = 0.0  # end of the step in flight
 
     # -- KV accounting ---------------------------------------------------------------------
-    def _reserve(self, left: int) -> int:
+    def reserve(self, left: int) -> int:
+        """Decode reservation (pages) of a request with `left` tokens to go."""
         return self.spec.pages(min(max(left, 0), self.spec.reserve_tokens))
 
     def committed_pages(self) -> int:
@@ -85,11 +86,11 @@ class SimNode:
             total += -(-(2 * ctx + b * (spec.page_size - 1)) // (2 * spec.page_size))
             total += b * pages(spec.reserve_tokens)
         for _rid, ctx, steps in self.joining:
-            total += pages(ctx) + self._reserve(steps)
+            total += pages(ctx) + self.reserve(steps)
         return total
 
     def fits(self, isl: int, osl: int) -> bool:
-        need = self.spec.pages(isl) + self._reserve(osl - 1)
+        need = self.spec.pages(isl) + self.reserve(osl - 1)
         return need + self.committed_pages() <= self.spec.pool_pages
 
     def n_running(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from pdserve.server.protocol import ApiError
+from pdserve.http.errors import ApiError
 
 
 class Admission:

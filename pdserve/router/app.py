@@ -1,7 +1,7 @@
-"""FastAPI routes of the router: the node's HTTP API (docs/architecture.md: Interfaces) in front of
-the cluster,
-plus `GET /nodes` (the router's view of every node). Request bodies, OpenAI chunk shapes
-and error shapes are the node's own (pdserve.server), so both speak one dialect.
+"""FastAPI routes of the router: the node's HTTP API (docs/architecture.md: Interfaces) in
+front of the cluster, plus `GET /nodes` (the router's view of every node). Request bodies,
+OpenAI chunk shapes and error shapes come from the same layer the node uses
+(`pdserve.http`), so both speak one dialect.
 
 A request answers 200 only once the decode leg produced its first event: failures before
 that (bad input, no node, queue full, a leg failing) become the HTTP status; later ones
@@ -16,21 +16,21 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.router.flow import Flow
-from pdserve.router.gateway import Gateway
-from pdserve.server.api import error_body, error_response, install_error_handlers, sse
-from pdserve.server.choices import merge
-from pdserve.server.logprob_format import TokenText
-from pdserve.server.openai_format import final_response, openai_stream
-from pdserve.server.openai_plan import make_plan, sglang_fields
-from pdserve.server.protocol import (
-    ApiError,
+from pdserve.http.choices import merge
+from pdserve.http.errors import ApiError, error_body, error_response, install_error_handlers
+from pdserve.http.logprob_format import TokenText
+from pdserve.http.openai_format import final_response, openai_stream
+from pdserve.http.openai_plan import make_plan, sglang_fields
+from pdserve.http.protocol import (
     ChatBody,
     CompletionBody,
     GenerateBody,
     fit_max_tokens,
 )
-from pdserve.server.tokenize_routes import add_tokenize_routes
+from pdserve.http.sse import sse
+from pdserve.http.tokenize_routes import add_tokenize_routes
+from pdserve.router.flow import Flow
+from pdserve.router.gateway import Gateway
 
 DISCONNECT_POLL_S = 0.25
 
@@ -119,7 +119,7 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     async def models():
         if not gw.model_name:
             return {"object": "list", "data": []}
-        tok = gw._tokenizer
+        tok = gw.loaded_tokenizer
         return {"object": "list", "data": [{
             "id": gw.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": tok.context_length if tok else None}]}
@@ -128,8 +128,8 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         return (await gw.tokenizer()).tok
 
     add_tokenize_routes(app, tokenizer, lambda: gw.model_name,
-                        lambda: gw._tokenizer.context_length,
-                        lambda: gw._tokenizer.vocab_size)
+                        lambda: gw.loaded_tokenizer.context_length,
+                        lambda: gw.loaded_tokenizer.vocab_size)
     texts: dict[int, TokenText] = {}
 
     def token_text(tok) -> TokenText:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pdserve.flags import add_dataclass_flags, opt, values_from
-from pdserve.http_guard import HttpLimits
+from pdserve.http.guard import HttpLimits
 from pdserve.tokens import read_token_file
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

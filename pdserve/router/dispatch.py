@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import httpx
 
+from pdserve.http.errors import ApiError
 from pdserve.router.config import RouterConfig
 from pdserve.router.legs import LegError, LegHook, Legs
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.picker import order_decode, order_prefill
 from pdserve.router.watcher import RegistryWatcher
-from pdserve.server.protocol import ApiError
 
 log = logging.getLogger("pdserve.router")
 

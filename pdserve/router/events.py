@@ -3,7 +3,7 @@
 A node's /generate stream (pdserve/server/api.py) sends `data: {"text", "output_ids",
 "meta_info"}` with *cumulative* text and ids, an in-band `data: {"error": {...}}` when
 the request fails after its 200 header, and `data: [DONE]` at the end. `Event` has the
-attributes pdserve.server.openai_format's chunk writers read, so the router formats
+attributes pdserve.http.openai_format's chunk writers read, so the router formats
 OpenAI streams with the node's own code.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.server.logprob_format import output_entries, prompt_entries
-from pdserve.sse import DONE, SSEFormatError, parse_data_line
+from pdserve.http.logprob_format import output_entries, prompt_entries
+from pdserve.http.sse import DONE, SSEFormatError, parse_data_line
 
-# One SSE reader for the whole project (pdserve/sse.py); the router's names for it.
+# One SSE reader for the whole project (pdserve/http/sse.py); the router's names for it.
 StreamFormatError = SSEFormatError  # the node sent something that is not its SSE protocol
 parse_line = parse_data_line
 __all__ = ["DONE", "Event", "StreamFormatError", "parse_line", "to_event"]

@@ -12,14 +12,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.http.errors import ApiError
+from pdserve.http.logprob_format import merge_prefill
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher, Opened
 from pdserve.router.events import DONE, Event, StreamFormatError, to_event
 from pdserve.router.legs import LegError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Stitcher, continuation, is_decode_death
-from pdserve.server.logprob_format import merge_prefill
-from pdserve.server.protocol import ApiError
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import logging
 
 import httpx
 
+from pdserve.http.errors import ApiError
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
@@ -19,7 +20,6 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.watcher import RegistryWatcher
-from pdserve.server.protocol import ApiError
 
 log = logging.getLogger("pdserve.router")
 
@@ -61,6 +61,11 @@ class Gateway:
                 await self._watch_task
         await self.http.aclose()
         await asyncio.to_thread(self.watcher.close)
+
+    @property
+    def loaded_tokenizer(self) -> RouterTokenizer | None:
+        """The tokenizer once loaded (None before the first request needed it)."""
+        return self._tokenizer
 
     async def tokenizer(self) -> RouterTokenizer:
         if self._tokenizer is not None:

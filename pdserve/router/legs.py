@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import httpx
 
+from pdserve.http.errors import ApiError
 from pdserve.router.events import DONE, StreamFormatError, parse_line
 from pdserve.router.nodes import NodeState
-from pdserve.server.protocol import ApiError
 
 # Node statuses that are the client's own fault: passed through as they are.
 CLIENT_STATUSES = {400, 408, 413, 422}

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.http.latency import LATENCY_BUCKETS
 from pdserve.router.admission import Admission
 from pdserve.router.nodes import NodeTable
-from pdserve.server.metrics import LATENCY_BUCKETS
 
 BREAKER_STATES = ("closed", "half_open", "open")
 

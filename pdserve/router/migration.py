@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.http.detokenizer import IncrementalDetokenizer
 from pdserve.router.events import Event, StreamFormatError
 from pdserve.router.legs import LegError
-from pdserve.server.detokenizer import IncrementalDetokenizer
 
 SEED_MASK = (1 << 63) - 1
 

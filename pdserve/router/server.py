@@ -11,13 +11,13 @@ import signal
 
 import uvicorn
 
-from pdserve.http_guard import guarded_protocol
+from pdserve.http.body_limit import BodyLimitMiddleware
+from pdserve.http.guard import guarded_protocol
 from pdserve.ports import check_port_free
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.gateway import Gateway
 from pdserve.router.tokenizer import RouterTokenizer
-from pdserve.server.body_limit import BodyLimitMiddleware
 
 log = logging.getLogger("pdserve.router")
 GRACEFUL_S = 10

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import logging
 
+from pdserve.http.errors import ApiError
+from pdserve.http.protocol import chat_prompt_ids
 from pdserve.prompt_check import PromptError, check_prompt_ids
-from pdserve.server.protocol import ApiError, chat_prompt_ids
 
 log = logging.getLogger("pdserve.router")
 FALLBACK_CONTEXT = 2048  # a config.json without max_position_embeddings

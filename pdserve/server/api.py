@@ -4,71 +4,25 @@ health, metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "code"}
 
 from __future__ import annotations
 
-import json
-import logging
-
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response, StreamingResponse
 
-from pdserve.server.choices import last_events, merge, start_all
-from pdserve.server.frontend import Frontend
-from pdserve.server.logprob_format import TokenText, sglang_meta
-from pdserve.server.openai_format import final_response, openai_stream
-from pdserve.server.openai_plan import make_plan
-from pdserve.server.protocol import (
-    ApiError,
+from pdserve.http.choices import last_events, merge, start_all
+from pdserve.http.errors import ApiError, error_body, error_response, install_error_handlers
+from pdserve.http.logprob_format import TokenText, sglang_meta
+from pdserve.http.openai_format import final_response, openai_stream
+from pdserve.http.openai_plan import make_plan
+from pdserve.http.protocol import (
     ChatBody,
     CompletionBody,
     GenerateBody,
     chat_prompt_ids,
     fit_max_tokens,
 )
+from pdserve.http.sse import sse
+from pdserve.http.tokenize_routes import add_tokenize_routes
+from pdserve.server.frontend import Frontend
 from pdserve.server.sglang_routes import add_sglang_routes, sglang_server_info
-from pdserve.server.tokenize_routes import add_tokenize_routes
-
-log = logging.getLogger("pdserve.server")
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
-               413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-               499: "client_closed_request", 503: "service_unavailable"}
-
-
-def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(ApiError(status, message, code)), status_code=status)
-
-
-def error_body(exc: ApiError) -> dict:
-    kind = ERROR_TYPES.get(exc.status, "server_error")
-    return {"error": {"message": exc.message, "type": kind, "code": exc.code or exc.status}}
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        parts = []
-        for e in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-            parts.append(f"{loc}: {e.get('msg', 'invalid')}")
-        return error_response(400, "invalid request: " + "; ".join(parts))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        # A bug, never client input: keep the error shape (not Starlette's plain text).
-        log.exception("unhandled error", exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
 def node_info(front: Frontend) -> dict:

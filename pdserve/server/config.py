@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.config import PDConfig
-from pdserve.http_guard import HttpLimits
+from pdserve.http.guard import HttpLimits
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import multiprocessing as mp
 import zmq
 import zmq.asyncio
 
+from pdserve.http.errors import ApiError
 from pdserve.server import messages as m
-from pdserve.server.protocol import ApiError
 
 log = logging.getLogger("pdserve.server")
 

@@ -9,13 +9,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.http.detokenizer import IncrementalDetokenizer
+from pdserve.http.errors import ApiError
 from pdserve.prompt_check import PromptError, check_prompt_ids
 from pdserve.server import messages as m
 from pdserve.server.config import ServerConfig
-from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.engine_client import EngineClient
 from pdserve.server.metrics import Metrics
-from pdserve.server.protocol import ApiError
 
 DISCONNECT_CHECK_S = 0.5
 
@@ -30,7 +30,7 @@ class Event:
     cached_tokens: int
     finish_reason: str | None
     # When asked (docs/architecture.md: Logprobs): entries of all output ids so far, and of
-    # prompt tokens 1.. (see pdserve.server.logprob_format).
+    # prompt tokens 1.. (see pdserve.http.logprob_format).
     output_logprobs: list | None = None
     prompt_logprobs: list | None = None
 

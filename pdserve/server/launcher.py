@@ -22,10 +22,10 @@ import time
 import uvicorn
 import zmq.asyncio
 
-from pdserve.http_guard import guarded_protocol
+from pdserve.http.body_limit import BodyLimitMiddleware
+from pdserve.http.guard import guarded_protocol
 from pdserve.ports import check_port_free
 from pdserve.server.api import build_app
-from pdserve.server.body_limit import BodyLimitMiddleware
 from pdserve.server.config import ServerConfig
 from pdserve.server.drain import NodeServer, wait_drained
 from pdserve.server.engine_client import EngineClient

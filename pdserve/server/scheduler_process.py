@@ -79,8 +79,7 @@ class SchedulerService:
         elif isinstance(msg, m.AbortRequest):
             self.engine.abort(msg.rid)
         elif isinstance(msg, m.FlushCache):
-            if self.engine.kv.cache is not None:  # locked (in-use) prefixes stay
-                self.engine.kv.cache.reset()
+            self.engine.flush_cache()
         elif isinstance(msg, m.Shutdown):
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
@@ -88,7 +87,7 @@ class SchedulerService:
             self.stopping = True
 
     def _admit(self, msg: m.GenerateRequest) -> None:
-        if len(self.engine.sched.waiting) >= self.cfg.max_queued_requests:
+        if self.engine.num_waiting() >= self.cfg.max_queued_requests:
             self._reply(m.Rejected(msg.rid, 429, "server is busy: the waiting queue is full"))
             return
         try:

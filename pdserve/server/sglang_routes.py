@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 
-from pdserve.server.errors import ApiError
+from pdserve.http.errors import ApiError
 from pdserve.server.frontend import Frontend
 
 VERSION = "pdserve-0.1.0"

@@ -26,8 +26,8 @@ import pytest
 from pd_pair import colocated, colocated_greedy, random_prompt
 from sglang_harness import MODEL, SGLANG_ROUTER_VERSION, free_port, post, router_version
 
+from pdserve.http.protocol import chat_prompt_ids
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.protocol import chat_prompt_ids
 
 N = 10
 GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}

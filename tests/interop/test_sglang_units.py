@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from pdserve.disagg.bootstrap_peer import BootstrapPeers, bootstrap_url
+from pdserve.http.errors import ApiError
+from pdserve.http.protocol import ChatBody, CompletionBody, GenerateBody
 from pdserve.ports import free_port
-from pdserve.server.protocol import ApiError, ChatBody, CompletionBody, GenerateBody
 
 LEG = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8999, "bootstrap_room": 12345}
 # What sglang-router 0.3.2 posts to both workers for a client's /generate.

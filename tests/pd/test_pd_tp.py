@@ -22,7 +22,7 @@ from pd_pair import (
 
 from bootstrap.record import RegisteredNode
 from pdserve.disagg.registration import PrefillPeerResolver
-from pdserve.server.protocol import ApiError
+from pdserve.http.errors import ApiError
 
 NEW_TOKENS = 12
 PROMPTS = [random_prompt(n, seed=700 + i) for i, n in enumerate((1, 16, 17, 65, 150))]

@@ -11,9 +11,9 @@ import pytest
 from test_router_units import record
 
 from pdserve.disagg.registration import PrefillPeerResolver
+from pdserve.http.errors import ApiError
 from pdserve.router.config import RouterConfig
 from pdserve.router.nodes import NodeTable
-from pdserve.server.protocol import ApiError
 
 
 def test_a_node_that_leaves_is_dropped_at_once():

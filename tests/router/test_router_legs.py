@@ -13,6 +13,7 @@ import httpx
 import pytest
 from test_router_units import record
 
+from pdserve.http.errors import ApiError
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
@@ -20,7 +21,6 @@ from pdserve.router.flow import Flow
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.nodes import NodeTable
 from pdserve.router.watcher import RegistryWatcher
-from pdserve.server.protocol import ApiError
 
 BOUND_S = 30.0  # generous: the machine is shared; a lost leg would wait forever
 GOOD_EVENT = {"text": "a", "output_ids": [5], "meta_info": {

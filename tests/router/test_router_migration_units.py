@@ -9,11 +9,11 @@ import pytest
 from test_router_units import state
 from transformers import AutoTokenizer
 
+from pdserve.http.detokenizer import IncrementalDetokenizer
 from pdserve.models.builtin import resolve_model
 from pdserve.router.events import Event, StreamFormatError
 from pdserve.router.legs import LegError
 from pdserve.router.migration import Stitcher, continuation, is_decode_death
-from pdserve.server.detokenizer import IncrementalDetokenizer
 
 TEXT = "Hello wörld, ünïcode ✓ and more words after it"
 

@@ -11,13 +11,13 @@ import pytest
 
 from bootstrap.record import RegisteredNode
 from pdserve.cli import build_parser
+from pdserve.http.errors import ApiError
 from pdserve.router.admission import Admission
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.events import DONE, StreamFormatError, parse_line, to_event
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.picker import order_decode, order_prefill, prefix_key
-from pdserve.server.protocol import ApiError
 
 PAGE = 16
 

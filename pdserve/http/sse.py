@@ -9,6 +9,11 @@ import json
 DONE = "[DONE]"
 
 
+def sse(obj: dict) -> str:
+    """One event as written: `data: <JSON>` and the blank line that ends it."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
 class SSEFormatError(ValueError):
     """A `data:` line that is neither `[DONE]` nor a JSON object."""
 

@@ -5,11 +5,11 @@ finish_reason, output_logprobs, prompt_logprobs`."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
-from pdserve.server.logprob_format import TokenText, chat_logprobs, completion_logprobs
-from pdserve.server.protocol import ApiError
+from pdserve.http.errors import ApiError
+from pdserve.http.logprob_format import TokenText, chat_logprobs, completion_logprobs
+from pdserve.http.sse import sse
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
@@ -35,12 +35,8 @@ class Shape:
         return "chatcmpl-" if self.chat else "cmpl-"
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 def _error(exc: ApiError) -> str:
-    return _sse({"error": {"message": exc.message, "type": "server_error",
+    return sse({"error": {"message": exc.message, "type": "server_error",
                            "code": exc.code or exc.status}})
 
 
@@ -110,7 +106,7 @@ async def openai_stream(items, shape: Shape, include_usage: bool):
         base = {"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,
                 "model": shape.model}
         if shape.chat and not st.started:
-            yield _sse({**base, "choices": [{"index": i, "delta": {
+            yield sse({**base, "choices": [{"index": i, "delta": {
                 "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         first = not st.started
         st.started, st.last = True, ev
@@ -131,9 +127,9 @@ async def openai_stream(items, shape: Shape, include_usage: bool):
             if lp is not None:
                 st.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] \
                     else st.offset
-        yield _sse({**base, "choices": [choice]})
+        yield sse({**base, "choices": [choice]})
     lasts = [states[i].last for i in sorted(states)]
     if include_usage and lasts:
-        yield _sse({"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,
+        yield sse({"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,
                     "model": shape.model, "choices": [], "usage": usage(lasts)})
     yield "data: [DONE]\n\n"

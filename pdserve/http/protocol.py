@@ -10,12 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from pdserve.plain_json import unsafe_reason
+from pdserve.http.errors import ApiError
+from pdserve.http.plain_json import unsafe_reason
+from pdserve.http.sglang_body import BootstrapFields, SGLangGenerateFlags
 from pdserve.sampling_params import MAX_LOGPROBS
-from pdserve.server.errors import ApiError
-from pdserve.server.sglang_body import BootstrapFields, SGLangGenerateFlags
-
-__all__ = ["ApiError"]  # re-exported: callers import it from here
 
 # Every integer that crosses to the scheduler must fit msgpack's 64-bit ints (and torch).
 # Integers and booleans are strict, as OpenAI's are: "16", 16.0 or true is no max_tokens,
@@ -33,7 +31,7 @@ _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 class _PlainJson(BaseModel):
     """Root of every request body: the raw input (extra fields included) must be plain
-    JSON, or it could not be forwarded, logged or echoed (see pdserve.plain_json)."""
+    JSON, or it could not be forwarded, logged or echoed (see pdserve.http.plain_json)."""
 
     model_config = _STRICT
 

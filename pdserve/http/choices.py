@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from pdserve.server.protocol import ApiError
+from pdserve.http.errors import ApiError
 
 _END = object()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
-from pdserve.server.errors import ApiError
+from pdserve.http.errors import ApiError
 
 # Fields of the two PD legs, carried from the body to the node's role (extra fields).
 LEG_FIELDS = ("bootstrap_room", "prefill_node_id", "bootstrap_host", "bootstrap_port")

@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 
-from pdserve.server.protocol import ApiError, DetokenizeBody, TokenizeBody, chat_prompt_ids
+from pdserve.http.errors import ApiError
+from pdserve.http.protocol import DetokenizeBody, TokenizeBody, chat_prompt_ids
 
 # Tokenizer getter: the node has its tokenizer at once, the router loads it on first use.
 TokenizerGetter = Callable[[], Awaitable[object]]

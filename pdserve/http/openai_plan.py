@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.server.logprob_format import TokenText
-from pdserve.server.openai_format import Shape
-from pdserve.server.protocol import fit_max_tokens
+from pdserve.http.logprob_format import TokenText
+from pdserve.http.openai_format import Shape
+from pdserve.http.protocol import fit_max_tokens
 
 
 @dataclass
