@@ -56,7 +56,8 @@ def meta_for(rows: int, q_len: int, ctx: int) -> tuple[AttnMeta, torch.Tensor, t
     mask = (key_pos.view(1, 1, -1) <= q_pos.view(rows, q_len, 1)).unsqueeze(1)
     meta = AttnMeta(out_cache_loc=slots[:, ctx - q_len:].reshape(-1), kv_pages=kv_pages,
                     mask=mask, q_index=None, batch=rows, max_q=q_len, page_size=PAGE,
-                    seq_lens=torch.full((rows,), ctx) if q_len == 1 else None)
+                    seq_lens=torch.full((rows,), ctx) if q_len == 1 else None,
+                    fresh_lens=(q_len,) * rows if q_len == ctx else None)
     return meta, q_pos.reshape(-1), torch.arange(q_len - 1, rows * q_len, q_len)
 
 
