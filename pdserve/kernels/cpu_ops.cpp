@@ -189,6 +189,61 @@ inline float exp_normaliser(float* s, int64_t n) {
   return sum > 0.f ? 1.f / sum : 0.f;
 }
 
+// Round 16 floats to T's precision and back (bf16: round to nearest even on the top half),
+// and store them as T.
+inline v16 round_as(v16 v, const float*) { return v; }
+inline v16 round_as(v16 v, const c10::BFloat16*) {
+  u32x16 b;
+  std::memcpy(&b, &v, sizeof(b));
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+template <typename T>
+inline v16 round_as(v16 v, const T*) {
+  for (int i = 0; i < 16; ++i) v[i] = f(r<T>(v[i]));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store16(c10::BFloat16* p, v16 v) {  // top halves of the rounded floats
+  v = round_as(v, static_cast<const c10::BFloat16*>(p));
+  u32x16 b;
+  std::memcpy(&b, &v, sizeof(b));
+  u16x16 h = __builtin_convertvector(b >> 16, u16x16);
+  std::memcpy(p, &h, sizeof(h));
+}
+template <typename T>
+inline void store16(T* p, v16 v) {
+  v = round_as(v, p);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<T>(v[i]);  // exact: already rounded
+}
+
+// out = T(silu(gate)) * up over rows of gate_up [T, 2I] (gate; up), 16 lanes at a time with
+// the vectorised exp; rounds where torch's silu then mul round.
+template <typename T>
+void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t rows = gu.size(0), inter = out.size(1);
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const T* g = gp + i * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + i * inter;
+      int64_t j = 0;
+      for (; j + 16 <= inter; j += 16) {
+        const v16 x = load16(g + j);
+        const v16 s = round_as(x / (1.f + vexp(-x)), g);
+        store16(o + j, s * load16(u + j));
+      }
+      for (; j < inter; ++j) {
+        const float x = f(g[j]);
+        o[j] = r<T>(f(r<T>(x / (1.f + std::exp(-x)))) * f(u[j]));
+      }
+    }
+  });
+}
+
 // One new token per request attends to its whole context, read in place from the paged pool
 // (no gather, no padding). q [B, H, D] (row stride any); pools [slots, Hkv, D]; block_table
 // [B, P] pages; seq_lens [B] context length including the new token. One task per (request,
@@ -355,6 +410,14 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   return out;
 }
 
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  auto gc = gate_up.contiguous();
+  auto out = at::empty({gc.size(0), gc.size(1) / 2}, gc.options());
+  PD_DISPATCH(gc.scalar_type(), "silu_and_mul", [&] { silu_mul_impl<scalar_t>(gc, out); });
+  return out;
+}
+
 void rope_and_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, int64_t H,
                     int64_t Hkv) {
@@ -392,6 +455,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_and_store", &rope_and_store);
+  m.def("silu_and_mul", &silu_and_mul);
   m.def("decode_attention", &decode_attention);
   m.def("small_linear", &small_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 }

@@ -3,11 +3,9 @@
 `TorchOps` is plain PyTorch and runs on any device: the reference, and what CUDA uses.
 `NativeOps` calls the fused CPU kernels of pdserve/kernels/cpu_ops.cpp: each op is one pass
 instead of a chain of eager ops (an RMSNorm is eight), and decode attention reads the paged
-pool in place instead of gathering every context into a padded tensor first. (SiLU * up stays
-torch's: its vectorised exp beats a scalar one, and fusing it saved nothing measurable.)
-Both round to the storage dtype at the same points as HF's modelling code
-(docs/architecture.md: "Engine speed"); the equivalence is tested op by op
-(tests/engine/test_kernels.py) and end to end.
+pool in place instead of gathering every context into a padded tensor first. Both round to
+the storage dtype at the same points as HF's modelling code (docs/architecture.md: "Engine
+speed"); the equivalence is tested op by op (tests/engine/test_kernels.py) and end to end.
 
 Shapes: T tokens, H / Hkv query / KV heads, D head dim, B requests, P pages per request.
 """
@@ -92,6 +90,9 @@ class NativeOps(TorchOps):
 
     def add_rms_norm(self, x, residual, w, eps):
         return self.m.add_rms_norm(x, residual, w, eps)
+
+    def silu_and_mul(self, gate_up):
+        return self.m.silu_and_mul(gate_up)
 
     def rope_and_store(self, qkv, cos, sin, k_buf, v_buf, slots, h, hkv):
         flat = qkv.view(qkv.shape[0], -1)  # rows contiguous: the kernel rotates in place
