@@ -27,7 +27,7 @@ LAYERS, HEADS, HEAD_DIM, PAGE, MODEL = 16, 8, 64, 16, "synthetic-1b"
 
 
 class _Engine:
-    """What make_kv_manager reads from an engine: its KV pool."""
+    """Holds the KV pool that the transfer managers register."""
 
     def __init__(self, pool) -> None:
         self.kv_pool = pool
@@ -55,7 +55,8 @@ def make_manager(engine: _Engine, role: str, backend: str):
     from pdserve.disagg.transfer_setup import make_kv_manager
 
     meta = MetadataPool(8)
-    return make_kv_manager(engine, role, meta, KVTransferConfig(backend=backend), MODEL), meta
+    return make_kv_manager(engine.kv_pool, role, meta, KVTransferConfig(backend=backend),
+                           MODEL), meta
 
 
 def digest(engine: _Engine, pages: list[int]) -> str:
