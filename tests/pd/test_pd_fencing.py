@@ -23,11 +23,11 @@ MODEL = "tiny-llama"
 # Heartbeat deadline 2 s (leases are derived from it: 1 s, margin 0.5 s).
 KV_FLAGS = ["--kv-heartbeat-interval-s", "0.5", "--kv-heartbeat-misses", "4",
             "--kv-transfer-timeout-s", "120", "--kv-bootstrap-timeout-s", "120"]
-# A takes 64 prompt tokens per batch, so its long prompts are sent in many chunks.
-# Small prefill batches keep A's requests in flight long enough to pause A mid-transfer
-# (with the faster forward, 64-token batches let all of them finish first now and then).
-PREFILL_FLAGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", "32",
-                 "--max-prefill-tokens", "32", *KV_FLAGS]
+# A takes 16 prompt tokens per batch, so its long prompts are sent in many chunks: 200
+# small batches keep A's requests in flight long enough to pause A mid-transfer (with the
+# fused CPU kernels, 32-token batches let all four finish first in 2 of 8 runs).
+PREFILL_FLAGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", "16",
+                 "--max-prefill-tokens", "16", *KV_FLAGS]
 # A small decode pool: freed pages are handed out again at once (LIFO free list).
 DECODE_FLAGS = ["--max-total-tokens", "4096", *KV_FLAGS]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -42,11 +42,11 @@ def wait_decode(req: PDRequest, timeout: float = BOUND_S) -> None:
         time.sleep(0.05)
 
 
-def wait_until(predicate, timeout: float, what: str):
+def wait_until(predicate, timeout: float, what: str, poll_s: float = 0.1):
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(poll_s)
     return value
 
 
@@ -79,7 +79,7 @@ def test_paused_prefill_never_writes_into_reused_pages(tmp_path_factory, backend
         prompts_a = [random_prompt(800, seed=7000 + i) for i in range(4)]
         reqs_a = [PDRequest(a, d, p, GREEDY).start() for p in prompts_a]
         wait_until(lambda: d.stats().get("role", {}).get("transfer_queue", 0) >= 1, BOUND_S,
-                   "the decode to wait for A's KV")
+                   "the decode to wait for A's KV", poll_s=0.01)
         os.killpg(a.proc.pid, signal.SIGSTOP)
         stopped = a
 
