@@ -244,6 +244,19 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   });
 }
 
+// Calls fn(t, row) for each position t < len of a request whose pages are `pages`, `row`
+// pointing `off` elements into token t's slot of a pool buffer whose slots are `tok` apart;
+// page by page, so there is no division per token.
+template <typename T, typename Fn>
+inline void for_each_slot(const T* buf, const int64_t* pages, int64_t len, int64_t ps,
+                          int64_t tok, int64_t off, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < len; t0 += ps) {
+    const T* page = buf + pages[t0 / ps] * ps * tok + off;
+    const int64_t n = std::min(ps, len - t0);
+    for (int64_t i = 0; i < n; ++i) fn(t0 + i, page + i * tok);
+  }
+}
+
 // One new token per request attends to its whole context, read in place from the paged pool
 // (no gather, no padding). q [B, H, D] (row stride any); pools [slots, Hkv, D]; block_table
 // [B, P] pages; seq_lens [B] context length including the new token. One task per (request,
@@ -275,36 +288,28 @@ void decode_attn_impl(const at::Tensor& q, const at::Tensor& kb, const at::Tenso
           qv[g][c] = load16(qp + b * qrow + (hk * G + g) * D + c * 16) * sc;
       s.resize(G * len);
       const int64_t* pages = tp + b * P;
-      for (int64_t t0 = 0; t0 < len; t0 += ps) {  // page by page: no division per token
-        const T* kpage = kp + pages[t0 / ps] * ps * tok + hk * D;
-        const int64_t n = std::min(ps, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          v16 kc[kMaxC];
-          for (int64_t c = 0; c < C; ++c) kc[c] = load16(kpage + i * tok + c * 16);
-          for (int64_t g = 0; g < G; ++g) {
-            v16 d = qv[g][0] * kc[0];
-            for (int64_t c = 1; c < C; ++c) d += qv[g][c] * kc[c];
-            s[g * len + t0 + i] = hsum(d);
-          }
+      for_each_slot(kp, pages, len, ps, tok, hk * D, [&](int64_t t, const T* k) {
+        v16 kc[kMaxC];
+        for (int64_t c = 0; c < C; ++c) kc[c] = load16(k + c * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          v16 d = qv[g][0] * kc[0];
+          for (int64_t c = 1; c < C; ++c) d += qv[g][c] * kc[c];
+          s[g * len + t] = hsum(d);
         }
-      }
+      });
       float inv[kMaxG];
       for (int64_t g = 0; g < G; ++g) {
         inv[g] = exp_normaliser(s.data() + g * len, len);
         for (int64_t c = 0; c < C; ++c) acc[g][c] = v16{};
       }
-      for (int64_t t0 = 0; t0 < len; t0 += ps) {
-        const T* vpage = vp + pages[t0 / ps] * ps * tok + hk * D;
-        const int64_t n = std::min(ps, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          v16 vc[kMaxC];
-          for (int64_t c = 0; c < C; ++c) vc[c] = load16(vpage + i * tok + c * 16);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g * len + t0 + i];
-            for (int64_t c = 0; c < C; ++c) acc[g][c] += p * vc[c];
-          }
+      for_each_slot(vp, pages, len, ps, tok, hk * D, [&](int64_t t, const T* v) {
+        v16 vc[kMaxC];
+        for (int64_t c = 0; c < C; ++c) vc[c] = load16(v + c * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = s[g * len + t];
+          for (int64_t c = 0; c < C; ++c) acc[g][c] += p * vc[c];
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         T* o = op + (b * H + hk * G + g) * D;
         for (int64_t c = 0; c < C; ++c)
