@@ -92,16 +92,24 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _column(weight_rows: list[torch.Tensor], bias_rows: list[torch.Tensor] | None
-            ) -> nn.Linear:
-    w = torch.cat(weight_rows).contiguous()
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias_rows is not None,
+def _column(layer: nn.Linear, parts) -> nn.Linear:
+    """This rank's rows of a fused column-parallel layer: `parts(t)` cuts this rank's slice
+    out of each fused piece of a weight or bias `t`; the slices are fused again."""
+    w = torch.cat(parts(layer.weight.data)).contiguous()
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=layer.bias is not None,
                     device=w.device, dtype=w.dtype)
     with torch.no_grad():
         lin.weight.copy_(w)
-        if bias_rows is not None:
-            lin.bias.copy_(torch.cat(bias_rows))
+        if layer.bias is not None:
+            lin.bias.copy_(torch.cat(parts(layer.bias.data)))
     return lin.requires_grad_(False)
+
+
+def _row(layer: nn.Linear, cols: slice, comm: Comm) -> RowParallelLinear:
+    """This rank's input columns of a row-parallel layer (the bias is added once, after the
+    all-reduce)."""
+    bias = None if layer.bias is None else layer.bias.data
+    return RowParallelLinear(layer.weight.data[:, cols].contiguous(), bias, comm)
 
 
 def _shard_attention(attn: nn.Module, p: TPPlan, comm: Comm) -> None:
@@ -113,29 +121,21 @@ def _shard_attention(attn: nn.Module, p: TPPlan, comm: Comm) -> None:
         q, k, v = t[:qd], t[qd:qd + kd], t[qd + kd:]
         return [q[qs], k[ks], v[ks]]
 
-    qkv = attn.qkv_proj
-    attn.qkv_proj = _column(parts(qkv.weight.data),
-                            None if qkv.bias is None else parts(qkv.bias.data))
-    o = attn.o_proj
-    attn.o_proj = RowParallelLinear(o.weight.data[:, qs].contiguous(),
-                                    None if o.bias is None else o.bias.data, comm)
+    attn.qkv_proj = _column(attn.qkv_proj, parts)
+    attn.o_proj = _row(attn.o_proj, qs, comm)
     attn.num_heads, attn.num_kv_heads = p.local_heads, p.local_kv_heads
 
 
 def _shard_mlp(mlp: nn.Module, p: TPPlan, comm: Comm) -> None:
-    inter = mlp.gate_up_proj.weight.shape[0] // 2  # fused rows: gate [inter], up [inter]
+    inter = mlp.gate_up_proj.weight.shape[0] // 2
     local = inter // p.size
     cols = slice(p.rank * local, (p.rank + 1) * local)
 
     def parts(t: torch.Tensor) -> list[torch.Tensor]:  # fused rows: gate [inter], up [inter]
         return [t[:inter][cols], t[inter:][cols]]
 
-    gu = mlp.gate_up_proj
-    mlp.gate_up_proj = _column(parts(gu.weight.data),
-                               None if gu.bias is None else parts(gu.bias.data))
-    down = mlp.down_proj
-    mlp.down_proj = RowParallelLinear(down.weight.data[:, cols].contiguous(),
-                                      None if down.bias is None else down.bias.data, comm)
+    mlp.gate_up_proj = _column(mlp.gate_up_proj, parts)
+    mlp.down_proj = _row(mlp.down_proj, cols, comm)
 
 
 def _vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, vocab: int, comm: Comm,
