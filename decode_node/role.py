@@ -26,26 +26,21 @@ import logging
 
 from decode_node.state import DecodeState
 from kv_transfer import KVPoll, KVReceiver, KVTransferConfig
-from pdserve.disagg.metadata import MetadataPool, unpack_row
-from pdserve.disagg.tp_transfer import (
-    TPReceiver,
-    start_worker_transfers,
-    tp_model_name,
-    tp_registry_fields,
-)
-from pdserve.disagg.transfer_setup import make_kv_manager
+from pdserve.disagg.metadata import unpack_row
+from pdserve.disagg.tp_transfer import TPReceiver
+from pdserve.disagg.transfer_role import TransferRole
 from pdserve.engine.request import Req
-from pdserve.engine.role import Role, RoleContext
+from pdserve.engine.role import RoleContext
 
 log = logging.getLogger("pdserve.decode")
 
 
-class DecodeRole(Role):
+class DecodeRole(TransferRole):
     name = "decode"
+    meta_rows_per_request = 2
 
     def __init__(self, transfer: KVTransferConfig, model_name: str) -> None:
-        self.transfer_cfg = transfer
-        self.model_name = model_name
+        super().__init__(transfer, model_name)
         self.prealloc: list[Req] = []  # step 2
         self.transferring: list[Req] = []  # step 3
         self.draining: list[Req] = []  # aborted while transferring: waiting for Failed
@@ -53,12 +48,6 @@ class DecodeRole(Role):
     def attach(self, ctx: RoleContext) -> None:
         super().attach(ctx)
         self.max_requests = ctx.max_running_requests
-        self.meta = MetadataPool(2 * ctx.max_running_requests)
-        tp = ctx.tp_size
-        self.mgr = make_kv_manager(ctx.kv_pool, "decode", self.meta, self.transfer_cfg,
-                                   tp_model_name(self.model_name, 0, tp))
-        self.tp_fields = None if tp == 1 else start_worker_transfers(
-            ctx.tp, "decode", self.transfer_cfg, self.model_name, self.meta.size, tp)
 
     # 1. arrival ------------------------------------------------------------------------------
     def add_request(self, req: Req, extra: dict) -> None:
@@ -185,20 +174,8 @@ class DecodeRole(Role):
             return True
         return False
 
-    def _free_meta(self, req: Req) -> None:
-        if req.pd.meta_slot is not None:
-            self.meta.free(req.pd.meta_slot)
-            req.pd.meta_slot = None
-
-    def registry_fields(self) -> dict:
-        fields = self.mgr.registry_fields()
-        return fields if self.tp_fields is None else tp_registry_fields(
-            fields, self.model_name, self.tp_fields)
-
     def stats(self) -> dict:
         return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transferring),
                 "free_metadata_slots": self.meta.num_free,
                 "total_metadata_slots": self.meta.size, "transfer": self.mgr.metrics()}
 
-    def close(self) -> None:
-        self.mgr.close()

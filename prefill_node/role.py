@@ -27,30 +27,25 @@ from __future__ import annotations
 import logging
 
 from kv_transfer import KVPoll, KVSender, KVTransferConfig
-from pdserve.disagg.metadata import MetadataPool, pack_row
-from pdserve.disagg.tp_transfer import (
-    TPSender,
-    start_worker_transfers,
-    tp_model_name,
-    tp_registry_fields,
-)
-from pdserve.disagg.transfer_setup import make_kv_manager
+from pdserve.disagg.metadata import pack_row
+from pdserve.disagg.tp_transfer import TPSender
+from pdserve.disagg.transfer_role import TransferRole
 from pdserve.engine.batch import Batch
 from pdserve.engine.request import Req, ReqState
-from pdserve.engine.role import Role, RoleContext
+from pdserve.engine.role import RoleContext
 from prefill_node.bookkeeping import SendProgress
 from prefill_node.state import PrefillState
 
 log = logging.getLogger("pdserve.prefill")
 
 
-class PrefillRole(Role):
+class PrefillRole(TransferRole):
     name = "prefill"
+    meta_rows_per_request = 4
     overlap_every_prefill = True  # launch N+1, then process N (first token, KV sends)
 
     def __init__(self, transfer: KVTransferConfig, model_name: str, early_send: bool = True):
-        self.transfer_cfg = transfer
-        self.model_name = model_name
+        super().__init__(transfer, model_name)
         self.early_send = early_send
         self.bootstrap: list[Req] = []  # step 2
         self.inflight: list[Req] = []  # step 6
@@ -60,12 +55,6 @@ class PrefillRole(Role):
     def attach(self, ctx: RoleContext) -> None:
         super().attach(ctx)
         self.page_size = ctx.kv.page_size
-        self.meta = MetadataPool(4 * ctx.max_running_requests)
-        tp = ctx.tp_size
-        self.mgr = make_kv_manager(ctx.kv_pool, "prefill", self.meta, self.transfer_cfg,
-                                   tp_model_name(self.model_name, 0, tp))
-        self.tp_fields = None if tp == 1 else start_worker_transfers(
-            ctx.tp, "prefill", self.transfer_cfg, self.model_name, self.meta.size, tp)
 
     # 1. arrival --------------------------------------------------------------------------
     def add_request(self, req: Req, extra: dict) -> None:
@@ -209,21 +198,9 @@ class PrefillRole(Role):
             raise RuntimeError(f"refusing to send pages of {req.rid} whose HiCache load is "
                                f"pending: {sorted(loading.intersection(pages))}")
 
-    def _free_meta(self, req: Req) -> None:
-        if req.pd.meta_slot is not None:
-            self.meta.free(req.pd.meta_slot)
-            req.pd.meta_slot = None
-
-    def registry_fields(self) -> dict:
-        fields = self.mgr.registry_fields()
-        return fields if self.tp_fields is None else tp_registry_fields(
-            fields, self.model_name, self.tp_fields)
-
     def stats(self) -> dict:
         return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),
                 "free_metadata_slots": self.meta.num_free,
                 "total_metadata_slots": self.meta.size, "early_sent_pages": self.early_sent_pages,
                 "transfer": self.mgr.metrics()}
 
-    def close(self) -> None:
-        self.mgr.close()

@@ -20,7 +20,9 @@ import dataclasses
 import weakref
 from collections.abc import Sequence
 
-from kv_transfer import KVPoll, KVReceiver, KVSender, KVTransferConfig
+from kv_transfer import KVPoll, KVReceiver, KVSender, KVTransferConfig, TransferManager
+from pdserve.disagg.metadata import MetadataPool
+from pdserve.disagg.transfer_setup import make_kv_manager
 
 READY_TIMEOUT_S = 120.0
 
@@ -39,9 +41,24 @@ def start_worker_transfers(tp, role: str, cfg: KVTransferConfig, model: str,
     return tuple(r["fields"] for r in tp.replies.wait_ready(READY_TIMEOUT_S))
 
 
-def tp_registry_fields(local: dict, model: str, workers: tuple[dict, ...]) -> dict:
+def start_role_transfers(ctx, role: str, meta: MetadataPool, cfg: KVTransferConfig,
+                         model: str) -> tuple[TransferManager, tuple[dict, ...] | None]:
+    """A PD role's transfer set-up: rank 0's manager over its pool, and under TP the worker
+    ranks' own managers (their registry fields; None on a TP1 node). `ctx`: the role's
+    RoleContext."""
+    size = ctx.tp_size
+    mgr = make_kv_manager(ctx.kv_pool, role, meta, cfg, tp_model_name(model, 0, size))
+    workers = None if size == 1 else start_worker_transfers(ctx.tp, role, cfg, model,
+                                                             meta.size, size)
+    return mgr, workers
+
+
+def tp_registry_fields(local: dict, model: str, workers: tuple[dict, ...] | None) -> dict:
     """One node record for all ranks: the plain model name, `tp_size` and every rank's KV
-    endpoint (rank order; `kv_endpoint` stays rank 0's)."""
+    endpoint (rank order; `kv_endpoint` stays rank 0's). `workers` None: a TP1 node's own
+    fields, unchanged."""
+    if workers is None:
+        return local
     return {**local, "model": model, "tp_size": 1 + len(workers),
             "kv_endpoints": [local.get("kv_endpoint", "")] +
             [w.get("kv_endpoint", "") for w in workers]}
