@@ -46,17 +46,22 @@ def memcpy_read_gbs(mib: int = 256) -> float:
     return (mib / 1024) / best_of(lambda: dst.copy_(src), 5)
 
 
-def meta_for(rows: int, q_len: int, ctx: int) -> tuple[AttnMeta, torch.Tensor, torch.Tensor]:
-    """Rows with `ctx` tokens each, the last `q_len` of them new; pages laid out in order."""
+def meta_for(rows: int, q_len: int, ctx: int, paged: bool = False
+             ) -> tuple[AttnMeta, torch.Tensor, torch.Tensor]:
+    """Rows with `ctx` tokens each, the last `q_len` of them new; pages laid out in order.
+    `paged`: one-token rows go to the paged decode kernel (ops that have one)."""
     pages = -(-ctx // PAGE)
     kv_pages = torch.arange(rows * pages).view(rows, pages)
     slots = (kv_pages[:, :, None] * PAGE + torch.arange(PAGE)).view(rows, -1)[:, :ctx]
     q_pos = torch.arange(ctx - q_len, ctx).repeat(rows, 1)  # [B, Lq]
     key_pos = torch.arange(pages * PAGE)
     mask = (key_pos.view(1, 1, -1) <= q_pos.view(rows, q_len, 1)).unsqueeze(1)
+    dec = paged and q_len == 1
     meta = AttnMeta(out_cache_loc=slots[:, ctx - q_len:].reshape(-1), kv_pages=kv_pages,
-                    mask=mask, q_index=None, batch=rows, max_q=q_len, page_size=PAGE,
-                    seq_lens=torch.full((rows,), ctx) if q_len == 1 else None,
+                    mask=None if dec else mask, q_index=None, batch=0 if dec else rows,
+                    max_q=q_len, page_size=PAGE,
+                    seq_lens=torch.full((rows,), ctx) if dec else None,
+                    decode_pages=kv_pages if dec else None,
                     fresh_lens=(q_len,) * rows if q_len == ctx else None)
     return meta, q_pos.reshape(-1), torch.arange(q_len - 1, rows * q_len, q_len)
 
@@ -74,10 +79,10 @@ def measure(model_name: str, dtype: str, kernels: list[str], batches: list[int],
     pool = KVPool(layout, need + 1, torch.device("cpu"))
     rows = []
     for b in batches:
-        meta, pos, last = meta_for(b, 1, ctx)
         ids = torch.randint(100, 1000, (b,))
         for k, choice in ops.items():
             model.ops = choice.ops
+            meta, pos, last = meta_for(b, 1, ctx, model.paged_decode())
             step = best_of(lambda: model(ids, pos, meta, pool, last), reps)  # noqa: B023
             rows.append({"dtype": dtype, "kernels": k, "phase": "decode", "batch": b,
                          "ctx": ctx, "ms": 1e3 * step, "tok_s": b / step,

@@ -39,6 +39,8 @@ class EngineConfig:
     # overlaps.
     consecutive_prefill: str = "sync"
     decode_reserve_tokens: int = 64  # future decode tokens reserved per running request
+    # extend batches carry no decode rows (prefill steps stall the running requests)
+    disable_mixed_batches: bool = False
     seed: int = 0
     model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
     # HiCache: a host-memory KV tier behind the radix cache (docs/architecture.md: HiCache).
@@ -144,6 +146,9 @@ _HELP = {
                            "'sync' processes that result first (its first tokens go out "
                            "before the next prefill runs; default). Prefill nodes always overlap",
     "decode_reserve_tokens": "KV tokens reserved per running request for future decode steps",
+    "disable_mixed_batches": "never put the running requests' decode rows into a prefill "
+                             "batch (by default a prefill batch also advances every running "
+                             "request by one token, so prompts do not stall decoding)",
     "seed": "seed of the engine's sampler for unseeded requests",
     "model_cache_dir": "where built-in models are converted/generated (default: user cache)",
     "enable_hierarchical_cache": "HiCache: keep evicted prefix KV in a host-memory tier and "

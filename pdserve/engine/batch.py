@@ -17,7 +17,9 @@ from pdserve.engine.logprobs import LogprobSpec
 from pdserve.engine.request import Req
 from pdserve.engine.staging import Packed, StagingRing
 
-BatchKind = Literal["extend", "decode"]  # extend: prompt chunks (prefill); decode: 1 token each
+# extend: prompt chunks (prefill), possibly followed by decode rows (a mixed batch);
+# decode: one token for each running request
+BatchKind = Literal["extend", "decode"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Row:
     q_len: int  # positions computed by this batch
     future_id: int  # where the sampled token goes; 0 = this row does not sample
     input_id: int = 0  # decode rows: the input token, or a FutureMap placeholder (< 0)
+    decode: bool = False  # one generated token as input (not prompt positions)
 
 
 @dataclass
@@ -44,6 +47,11 @@ class Batch:
     def sampled_rows(self) -> list[Row]:
         return [r for r in self.rows if r.future_id]
 
+    @property
+    def num_decode_rows(self) -> int:
+        """Decode rows come last in a batch (a mixed batch: extend rows, then decode rows)."""
+        return sum(r.decode for r in self.rows)
+
 
 def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_size: int) -> None:
     """Fill `batch.packed` from the rows (scheduler thread). `table` is req->token slots."""
@@ -57,14 +65,14 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_siz
     plp_targets: list[int] = []  # ... and the prompt token each one predicts
     plp_counts: list[int] = []
     for i, r in enumerate(rows):
-        if batch.kind == "decode":
+        if r.decode:
             ids.append(r.input_id)
         else:
             ids.extend(r.req.fill_ids[r.start:r.start + r.q_len])
         pos.extend(range(r.start, r.start + r.q_len))
         q_pos[i, : r.q_len] = torch.arange(r.start, r.start + r.q_len)
         q_index.extend(range(i * lq, i * lq + r.q_len))
-        if batch.kind == "extend" and r.req.wants_prompt_logprobs():
+        if not r.decode and r.req.wants_prompt_logprobs():
             plp_counts.append(_prompt_lp_rows(r, cursor, plp_rows, plp_targets))
         else:
             plp_counts.append(0)

@@ -29,6 +29,7 @@ class ModelRunner:
         self.future_map = future_map
         self.sampler = sampler
         self.device = device
+        self._paged_decode = model.paged_decode()  # decode rows read the pool in place
 
     def run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
         """Forward + sample; returns sampled token ids [R] on the device, and the batch's
@@ -42,24 +43,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
         t = batch.packed.to_device(self.device)
-        b, lq = t["q_pos"].shape
-        ps = self.kv_pool.page_size
-        lk = t["kv_pages"].shape[1] * ps
-        key_pos = torch.arange(lk, device=self.device)
-        # [B, 1, Lq, Lk]: causal within the row, which also hides the padding after each
-        # row's context; padded query rows see key 0 only (no NaN).
-        mask = (key_pos.view(1, 1, lk) <= t["q_pos"].view(b, lq, 1)).unsqueeze(1)
-        uniform = t["input_ids"].shape[0] == b * lq
-        decode = uniform and lq == 1  # one new token per row: attend from the pool in place
-        meta = AttnMeta(
-            out_cache_loc=t["out_cache_loc"], kv_pages=t["kv_pages"], mask=mask,
-            q_index=None if uniform else t["q_index"], batch=b, max_q=lq, page_size=ps,
-            seq_lens=t["q_pos"][:, 0] + 1 if decode else None,
-            fresh_lens=tuple(r.q_len for r in batch.rows)
-            if batch.kind == "extend" and all(r.start == 0 for r in batch.rows) else None,
-            layer_wait=functools.partial(self._wait_layer, op_id=batch.load_barrier)
-            if batch.load_barrier else None,
-        )
+        meta = self._attn_meta(batch, t)
         input_ids = self.future_map.resolve(t["input_ids"])
         rows, spec = t["logit_rows"], batch.lp
         n_sample = rows.numel()
@@ -80,6 +64,36 @@ class ModelRunner:
             return tokens, None
         return tokens, logprobs.compute(spec, sample_logits, tokens, logits[n_sample:],
                                         t["plp_targets"])
+
+    def _attn_meta(self, batch: Batch, t: dict[str, torch.Tensor]) -> AttnMeta:
+        """Split the rows into the SDPA group (first) and the decode group (last rows, read
+        in place by the paged kernel when the model has one; else they join the SDPA group),
+        and build each group's indices. Host-side lengths come from `batch.rows`."""
+        n_dec = batch.num_decode_rows if self._paged_decode else 0
+        sdpa = batch.rows[:len(batch.rows) - n_dec]
+        ps = self.kv_pool.page_size
+        b, lq = len(sdpa), max((r.q_len for r in sdpa), default=0)
+        n_tok = sum(r.q_len for r in sdpa)
+        fresh = bool(sdpa) and all(r.start == 0 for r in sdpa)
+        mask, kv_pages = None, t["kv_pages"][:b]
+        if sdpa and not fresh:
+            pages = -(-max(r.start + r.q_len for r in sdpa) // ps)
+            kv_pages = kv_pages[:, :pages]
+            key_pos = torch.arange(pages * ps, device=self.device)
+            q_pos = t["q_pos"][:b, :lq]
+            # [B, 1, Lq, Lk]: causal within the row, which also hides the padding after each
+            # row's context; padded query rows see key 0 only (no NaN).
+            mask = (key_pos.view(1, 1, -1) <= q_pos.view(b, lq, 1)).unsqueeze(1)
+        return AttnMeta(
+            out_cache_loc=t["out_cache_loc"], kv_pages=kv_pages, mask=mask,
+            q_index=None if n_tok == b * lq else t["q_index"][:n_tok], batch=b, max_q=lq,
+            page_size=ps,
+            seq_lens=t["q_pos"][b:, 0] + 1 if n_dec else None,
+            decode_pages=t["kv_pages"][b:] if n_dec else None,
+            fresh_lens=tuple(r.q_len for r in sdpa) if fresh else None,
+            layer_wait=functools.partial(self._wait_layer, op_id=batch.load_barrier)
+            if batch.load_barrier else None,
+        )
 
     def _wait_layer(self, layer: int, op_id: int) -> None:
         self.hicache.wait_layer(layer, op_id)

@@ -53,7 +53,7 @@ class OutputProcessor:
             reason = self.stop_reason(req)
             if reason:
                 self.finish(req, reason)
-            elif req.params.cache_prompt and batch.kind == "extend":
+            elif req.params.cache_prompt and not row.decode:
                 self.kv.cache_prompt(req)  # its n - 1 sibling choices come next
         if batch.kind == "extend":
             self.role.on_extend_processed(batch)

@@ -2,11 +2,12 @@
 retraction (docs/architecture.md: Scheduling policy). Pure bookkeeping over `Req` and `KVManager`;
 no model here.
 
-`next_batch()` returns an extend batch when prompts are waiting and fit, else a decode
-batch of every running request, else None. It returns `NEED_SYNC` when it cannot decide
-without the results of batches still in flight (retraction must not free pages a launched
-batch reads, and a retracted request must know all its tokens); the overlap loop then
-processes those results first.
+`next_batch()` returns an extend batch when prompts are waiting and fit (a *mixed* batch:
+with a decode row for every running request appended, unless --disable-mixed-batches),
+else a decode batch of every running request, else None. It returns `NEED_SYNC` when it
+cannot decide without the results of batches still in flight (retraction must not free
+pages a launched batch reads, and a retracted request must know all its tokens); the
+overlap loop then processes those results first.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.seq = 0
         self.num_retractions = 0
+        self.num_mixed_batches = 0  # extend batches that also carried decode rows
 
     # -- queues ---------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -68,10 +70,16 @@ class Scheduler:
     # -- batch selection ----------------------------------------------------------------
     def next_batch(self, in_flight: bool) -> Batch | Verdict | None:
         self.kv.check_acks()  # HiCache copies done since the last step unlock their nodes
-        rows = self._extend_rows()
-        if rows:
-            return self._launchable("extend", rows)
+        # Listed before the extend rows are built: a request whose last chunk goes into
+        # this batch must not also get a decode row (its input is this batch's output).
         decoding = [r for r in self.running if r.prefill_done and r.wants_more_launches()]
+        mix = not self.cfg.disable_mixed_batches and bool(decoding)
+        rows = self._extend_rows(self._extend_budget(len(decoding) if mix else 0))
+        if rows:
+            if mix and self._pages_for_decode(decoding) <= self.kv.available_pages:
+                rows += [self._decode_row(r) for r in decoding]  # a mixed batch
+                self.num_mixed_batches += 1
+            return self._launchable("extend", rows)
         if not decoding:
             if not in_flight:
                 self._unwedge_prefill()
@@ -126,8 +134,14 @@ class Scheduler:
         return self.admission_pages(req, fill_len, handover) <= self.kv.available_pages
 
     # -- prefill ------------------------------------------------------------------------
-    def _extend_rows(self) -> list[Row]:
+    def _extend_budget(self, decode_rows: int) -> int:
+        """Prompt tokens for this batch: decode rows riding along count against the token
+        budget (the step stays about as long), but never take more than half of it, so
+        prompts keep moving however many requests decode."""
         budget = self.cfg.max_prefill_tokens
+        return max(budget - decode_rows, -(-budget // 2))
+
+    def _extend_rows(self, budget: int) -> list[Row]:
         chunk = self.cfg.chunked_prefill_size or 1 << 62
         rows: list[Row] = []
         # Requests in the middle of a chunked prefill go first: they already hold KV.
@@ -194,7 +208,7 @@ class Scheduler:
         future = self.future_map.alloc(1)[0]
         req.future_id = future
         req.launched_outputs += 1
-        return Row(req, start, 1, future, input_id)
+        return Row(req, start, 1, future, input_id, decode=True)
 
     def _unwedge_prefill(self) -> None:
         """Nothing can run and nothing is in flight, yet partly prefilled requests hold KV

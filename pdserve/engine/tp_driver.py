@@ -73,6 +73,9 @@ class TPModel:
             self.group.broadcast(payload)
             return self.model(input_ids, positions, meta, kv_pool, logit_rows)
 
+    def paged_decode(self) -> bool:
+        return self.model.paged_decode()  # every rank holds the same head shapes
+
     def describe(self, plan: TPPlan, num_pages: int) -> dict:
         """The node's ranks for /server_info: every rank's pool has the same pages (one page
         table) over its own KV heads."""

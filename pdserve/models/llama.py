@@ -6,9 +6,10 @@ load), so a layer runs 4 matmuls instead of 7: fewer, larger GEMMs are what a CP
 a GPU at small batch) runs efficiently.
 
 Attention reads and writes the paged KV pool (docs/architecture.md, "Memory"): the new
-tokens' K/V are written into their slots; a decode batch (one new token per row) then
-attends straight from the pool when the ops have a paged decode kernel (the native CPU
-kernels), and every other batch gathers each request's context *by page* (one contiguous
+tokens' K/V are written into their slots; decode rows (one new token each, in a decode or
+a mixed batch) then attend straight from the pool when the ops have a paged decode kernel
+(the native CPU kernels); prompts that start at position 0 attend with causal SDPA over
+their own k/v; every other row gathers its context *by page* (one contiguous
 `page_size x Hkv x D` block per page) into SDPA with a padded [B, 1, Lq, Lk] mask. The
 index tensors are built once per forward (`AttnMeta`) and shared by every layer. The small
 ops (norms, rope, SiLU) come from `self.ops` (pdserve/models/ops.py): torch reference ops
@@ -42,21 +43,29 @@ SUPPORTED_ARCHS = {
 
 @dataclass
 class AttnMeta:
-    """Per-forward attention indices, on the model's device."""
+    """Per-forward attention indices, on the model's device.
+
+    A batch's rows fall in two groups (docs/architecture.md: "Engine speed"): the first
+    `batch` rows, whose tokens come first, attend through SDPA (fresh or gathered from the
+    pool); the last `len(seq_lens)` rows, one token each, are decode rows that read the paged
+    pool in place (`ops.decode_attention`). A pure decode batch has `batch == 0` when the
+    ops have the paged kernel; a mixed batch has both groups."""
 
     out_cache_loc: torch.Tensor  # [T] pool slot of each new token
     kv_pages: torch.Tensor  # [B, P] pool page of each context page (padded with page 0)
-    mask: torch.Tensor  # [B, 1, Lq, P * page_size] bool, True = may attend
-    q_index: torch.Tensor | None  # [T] flat position in the padded [B*Lq] layout; None when
-    # every row has Lq new tokens (decode, or one prompt), so [T] already is [B*Lq]
-    batch: int
+    # [B, 1, Lq, P * page_size] bool, True = may attend; None when the SDPA group needs no
+    # mask (no such rows, or fresh rows: causal SDPA on their own k/v)
+    mask: torch.Tensor | None
+    q_index: torch.Tensor | None  # [T_sdpa] flat position in the padded [B*Lq] layout; None
+    # when every SDPA row has Lq new tokens, so its tokens already are [B*Lq]
+    batch: int  # rows of the SDPA group
     max_q: int
     page_size: int
-    # [B] context length incl. the new token, set when every row has exactly one new token
-    # (a decode batch): lets the ops read the paged pool in place (`ops.decode_attention`).
+    # The decode group: [Bd] context length incl. the new token, and [Bd, Pd] its pages.
     seq_lens: torch.Tensor | None = None
-    # new-token count of each row when every row starts at position 0 (fresh prompts, first
-    # chunks): their context is exactly this batch's k/v, so attention needs no pool read.
+    decode_pages: torch.Tensor | None = None
+    # new-token count of each SDPA row when all of them start at position 0 (fresh prompts,
+    # first chunks): their context is exactly this batch's k/v, so attention needs no pool read.
     fresh_lens: tuple[int, ...] | None = None
     # HiCache: called with the layer id before the layer touches the pool, so a forward
     # waits only for the layers of a pending host->device load it is about to read.
@@ -105,14 +114,23 @@ class Attention(nn.Module):
             meta.layer_wait(self.layer_id)  # HiCache: this layer's pages are loaded
         k_buf, v_buf = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
         q, k, v = ops.rope_and_store(qkv, cos, sin, k_buf, v_buf, meta.out_cache_loc, h, hkv)
-        if meta.fresh_lens is not None:
-            return _linear(ops, self.o_proj, _fresh_attention(q, k, v, meta.fresh_lens,
-                                                               self.scale))
-        if meta.seq_lens is not None and ops.paged_decode(h, hkv, d):
-            out = ops.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens,
-                                       meta.page_size, self.scale)  # [B, H, D], T == B
-            return _linear(ops, self.o_proj, out.view(t, h * d))
-        return _linear(ops, self.o_proj, _padded_attention(q, k_buf, v_buf, meta, self.scale))
+        n_dec = 0 if meta.seq_lens is None else meta.seq_lens.shape[0]
+        outs = []
+        if meta.batch:  # SDPA rows: tokens [0, t - n_dec)
+            te = t - n_dec
+            if meta.fresh_lens is not None:
+                outs.append(_fresh_attention(q[:te], k[:te], v[:te], meta.fresh_lens,
+                                             self.scale))
+            else:
+                outs.append(_padded_attention(q[:te], k_buf, v_buf, meta, self.scale))
+        if n_dec:  # decode rows: the last n_dec tokens, one per row
+            out = ops.decode_attention(q[t - n_dec:], k_buf, v_buf, meta.decode_pages,
+                                       meta.seq_lens, meta.page_size, self.scale)  # [Bd, H, D]
+            outs.append(out.view(n_dec, h * d))
+        return _linear(ops, self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def paged_decode(self, ops: TorchOps) -> bool:
+        return ops.paged_decode(self.num_heads, self.num_kv_heads, self.head_dim)
 
 
 def _linear(ops: TorchOps, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -234,6 +252,10 @@ class CausalLM(nn.Module):
                 residual.add_(m)
         norm = self.model.norm
         return self.compute_logits(ops.rms_norm(residual[logit_rows], norm.weight, norm.eps))
+
+    def paged_decode(self) -> bool:
+        """True when decode rows can read the paged pool in place (ops and head shapes)."""
+        return self.model.layers[0].self_attn.paged_decode(self.ops)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, V] fp32 (replaced per instance under TP: models/parallel.py)."""

@@ -91,6 +91,7 @@ class Stats:
     overlap_disabled: dict
     retractions: int
     generated_tokens: int
+    mixed_batches: int = 0  # prefill batches that also advanced the running requests
     role: dict = field(default_factory=dict)  # role queues and transfer counters
     hicache: dict = field(default_factory=dict)  # host KV tier (empty when HiCache is off)
 

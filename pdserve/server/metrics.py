@@ -38,6 +38,9 @@ class _SchedulerCollector:
         yield c
         yield CounterMetricFamily("pdserve_retractions", "requests retracted under KV pressure",
                                   value=s.retractions)
+        yield CounterMetricFamily("pdserve_mixed_batches",
+                                  "prefill batches that also carried decode rows",
+                                  value=getattr(s, "mixed_batches", 0))
         yield from _role_metrics(s.role)
         yield from _hicache_metrics(getattr(s, "hicache", None))
 

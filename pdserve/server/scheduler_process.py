@@ -148,6 +148,7 @@ class SchedulerService:
             pools_full=e.pools_full() and not e.requests and _role_full(e.role),
             overlap_disabled=dict(e.loop.stats.overlap_disabled),
             retractions=e.sched.num_retractions, generated_tokens=e.out.generated_tokens,
+            mixed_batches=e.sched.num_mixed_batches,
             role=_str_keys(e.role.stats()),
             hicache=e.hicache_stats(),
         )

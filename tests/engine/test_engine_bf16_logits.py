@@ -18,15 +18,19 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 282, 4649, 314
 DECODE = [504, 1345, 314, 253, 1767]
 
 
-def _meta(positions: list[int]) -> AttnMeta:
-    """One request whose new tokens sit at `positions` of slots 0.. (pages in order)."""
+def _meta(positions: list[int], paged: bool) -> AttnMeta:
+    """One request whose new tokens sit at `positions` of slots 0.. (pages in order);
+    `paged`: a one-token row goes to the paged decode kernel."""
     q = torch.tensor(positions)
     pages = -(-(positions[-1] + 1) // PAGE)
     key_pos = torch.arange(pages * PAGE)
     mask = (key_pos.view(1, 1, -1) <= q.view(1, -1, 1)).unsqueeze(1)
-    return AttnMeta(out_cache_loc=q, kv_pages=torch.arange(pages).view(1, -1), mask=mask,
-                    q_index=None, batch=1, max_q=len(positions), page_size=PAGE,
-                    seq_lens=q[-1:] + 1 if len(positions) == 1 else None)
+    table = torch.arange(pages).view(1, -1)
+    if paged and len(positions) == 1:
+        return AttnMeta(out_cache_loc=q, kv_pages=table[:0], mask=None, q_index=None, batch=0,
+                        max_q=0, page_size=PAGE, seq_lens=q + 1, decode_pages=table)
+    return AttnMeta(out_cache_loc=q, kv_pages=table, mask=mask, q_index=None, batch=1,
+                    max_q=len(positions), page_size=PAGE)
 
 
 def _our_logits(model, layout, kernels: str) -> torch.Tensor:
@@ -34,11 +38,12 @@ def _our_logits(model, layout, kernels: str) -> torch.Tensor:
     pool = KVPool(layout, 4, torch.device("cpu"))
     ids = PROMPT + DECODE
     n = len(PROMPT)
-    rows = [model(torch.tensor(PROMPT), torch.arange(n), _meta(list(range(n))), pool,
+    rows = [model(torch.tensor(PROMPT), torch.arange(n), _meta(list(range(n)), False), pool,
                   torch.tensor([n - 1]))]
     for i, tok in enumerate(DECODE[:-1]):
         pos = n + i
-        rows.append(model(torch.tensor([tok]), torch.tensor([pos]), _meta([pos]), pool,
+        meta = _meta([pos], model.paged_decode())
+        rows.append(model(torch.tensor([tok]), torch.tensor([pos]), meta, pool,
                           torch.tensor([0])))
     assert len(ids) - 1 == n + len(DECODE) - 1
     return torch.cat(rows)  # [len(DECODE), V]: logits after the prompt and each decode token
