@@ -78,6 +78,8 @@ class KVLayout:
         """Why this pool is not TP rank `rank` of `size` holding `heads` KV heads, or None."""
         if (self.tp_rank, self.tp_size, self.num_kv_heads) == (rank, size, heads):
             return None
+        if (self.tp_rank, self.tp_size) == (rank, size):
+            return f"incompatible KV layout: num_kv_heads {heads!r} != {self.num_kv_heads!r}"
         return (f"incompatible KV layout: the peer is {self.tp_name}, this transfer writes "
                 f"TP rank {rank} of {size} ({heads} KV heads)")
 
