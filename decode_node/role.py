@@ -55,6 +55,7 @@ class DecodeRole(TransferRole):
         endpoint = extra.pop("prefill_kv_endpoint", None)
         endpoints = extra.pop("prefill_kv_endpoints", None) or [endpoint]
         extra.pop("prefill_node_id", None)
+        extra.pop("decode_tp_size", None)  # the prefill leg's field: we know our own
         if extra:
             raise ValueError(f"unexpected fields for a decode node: {sorted(extra)}")
         if not isinstance(room, int) or not 0 <= room < 1 << 63:
@@ -64,12 +65,17 @@ class DecodeRole(TransferRole):
         # The prefill node computes the prompt's logprobs (and the first token's); the
         # router merges them in (docs/architecture.md: Logprobs).
         req.params.prompt_logprobs = None
-        tp = self.ctx.tp_size
-        if len(endpoints) != tp:
-            raise ValueError(f"the prefill node runs TP {len(endpoints)} and this decode node "
-                             f"TP {tp}: KV moves only between equal TP sizes (rank to rank)")
-        receiver = KVReceiver(self.mgr, room, endpoint) if tp == 1 else TPReceiver(
-            self.mgr, room, self.ctx.tp, endpoints)
+        ctx = self.ctx
+        if len(endpoints) == ctx.tp_size == 1:
+            receiver = KVReceiver(self.mgr, room, endpoint)
+        else:  # KV sliced by heads between the two TP sizes
+            try:
+                receiver = TPReceiver(self.mgr, room, ctx.tp, ctx.kv_heads, ctx.tp_size,
+                                      endpoints)
+            except ValueError as exc:
+                raise ValueError(f"KV of a prefill node of TP {len(endpoints)} cannot be "
+                                 f"sliced for this decode node of TP {ctx.tp_size}: {exc}"
+                                 ) from None
         req.pd = DecodeState(room, receiver)
         self.prealloc.append(req)
 

@@ -36,12 +36,16 @@ class KVLayout:
     head_dim: int
     dtype: str
     model: str
+    tp_rank: int = 0  # which rank of a TP node this pool is (its KV heads: kv_transfer/heads.py)
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
+        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"layout {name} must be > 0")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError("layout tp_rank must be in [0, tp_size)")
 
     @property
     def token_bytes(self) -> int:
@@ -51,13 +55,33 @@ class KVLayout:
     def page_bytes(self) -> int:
         return self.page_size * self.token_bytes
 
-    def mismatch(self, other: KVLayout) -> str | None:
-        """A human-readable reason why KV from `self` cannot go into `other`, or None."""
-        for name in ("model", "page_size", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * _DTYPE_BYTES[self.dtype]
+
+    @property
+    def tp_name(self) -> str:
+        return f"TP rank {self.tp_rank} of {self.tp_size} ({self.num_kv_heads} KV heads)"
+
+    def mismatch(self, other: KVLayout, heads: bool = True) -> str | None:
+        """A human-readable reason why KV from `self` cannot go into `other`, or None.
+        `heads` False: the KV head count and TP rank may differ (a node of another TP
+        size; each room then checks the peer rank it expects: `tp_mismatch`)."""
+        names = ("model", "page_size", "dtype", "num_layers", "head_dim")
+        for name in names + (("num_kv_heads",) if heads else ()):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"incompatible KV layout: {name} {mine!r} != {theirs!r}"
         return None
+
+    def tp_mismatch(self, rank: int, size: int, heads: int) -> str | None:
+        """Why this pool is not TP rank `rank` of `size` holding `heads` KV heads, or None."""
+        if (self.tp_rank, self.tp_size, self.num_kv_heads) == (rank, size, heads):
+            return None
+        if (self.tp_rank, self.tp_size) == (rank, size):
+            return f"incompatible KV layout: num_kv_heads {heads!r} != {self.num_kv_heads!r}"
+        return (f"incompatible KV layout: the peer is {self.tp_name}, this transfer writes "
+                f"TP rank {rank} of {size} ({heads} KV heads)")
 
 
 @dataclass(frozen=True)
@@ -118,16 +142,17 @@ class KVArgs:
 
     @classmethod
     def from_tensors(cls, k_bufs: Sequence[Any], v_bufs: Sequence[Any], page_size: int,
-                     model: str, meta_bufs: Sequence[Any] = ()) -> KVArgs:
+                     model: str, meta_bufs: Sequence[Any] = (),
+                     tp: tuple[int, int] = (0, 1)) -> KVArgs:
         """Build from the engine's tensors (duck-typed: data_ptr/shape/...; no torch import).
 
         k_bufs[l], v_bufs[l]: contiguous [num_pages * page_size, num_kv_heads, head_dim].
-        meta_bufs[b]: contiguous with first dimension = rows.
+        meta_bufs[b]: contiguous with first dimension = rows. tp: (rank, size) of this pool.
         """
         k0 = k_bufs[0]
         tokens, heads, head_dim = (int(x) for x in k0.shape)
         layout = KVLayout(page_size, len(k_bufs), heads, head_dim, normalize_dtype(k0.dtype),
-                          model)
+                          model, tp[0], tp[1])
         lens = [int(t.numel() * t.element_size()) for t in k_bufs]
         if [int(t.numel() * t.element_size()) for t in v_bufs] != lens:
             raise ValueError("K and V buffers of a layer must have the same size")

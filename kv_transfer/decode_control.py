@@ -22,6 +22,7 @@ import zmq
 
 from kv_transfer.args import KVArgs
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.heads import HeadRun, head_run_regions
 from kv_transfer.lease import WriteFence
 from kv_transfer.loop import ControlLoop
 from kv_transfer.memory import HostMemory, page_regions
@@ -86,14 +87,15 @@ class DecodeControl(ControlLoop):
 
     # ---- operations posted by KVReceiver ----------------------------------------------
 
-    def add_receiver(self, room: int, status: RoomStatus, endpoint: str) -> None:
+    def add_receiver(self, room: int, status: RoomStatus, endpoint: str,
+                     heads: HeadRun | None = None) -> None:
         if room in self._rooms or room in self._fencing:
             return self._fail_status(status, "duplicate room: a receiver for it is live")
         self._stats.inc("rooms_started")
         # Until init() the request may sit in the scheduler's pre-allocation queue; the
         # prefill gives up on the room after its bootstrap timeout, so do we.
         deadline = time.monotonic() + self._cfg.bootstrap_timeout_s
-        self._rooms[room] = ReceiverRoom(room, status, endpoint, deadline=deadline)
+        self._rooms[room] = ReceiverRoom(room, status, endpoint, deadline=deadline, heads=heads)
 
     def init_receiver(self, room: int, dst_pages: list[int], meta_slot: int,
                       prefix_len: int) -> None:
@@ -211,15 +213,21 @@ class DecodeControl(ControlLoop):
             self._finish(r)
 
     def _checksum(self, r: ReceiverRoom, start: int, end: int, last: bool) -> int:
-        regions = list(page_regions(self._dst_bufs, r.dst_pages[start:end],
-                                    self._args.page_bytes))
+        pages, lay = r.dst_pages[start:end], self._args.layout
+        if r.heads is None or r.heads.whole_rows:
+            regions = list(page_regions(self._dst_bufs, pages, self._args.page_bytes))
+        else:  # the same (buffer, page, token) order as the prefill's source regions
+            regions = head_run_regions(self._dst_bufs, pages, lay.page_size, r.heads,
+                                       lay.head_bytes, "dst")
         if last:
             regions += [self._args.meta_row(b, r.meta_slot)
                         for b in range(len(self._args.meta_ptrs))]
         return self._memory.crc(regions)
 
     def _room_bytes(self, r: ReceiverRoom) -> int:
-        kv = len(r.dst_pages) * self._args.page_bytes * len(self._dst_bufs)
+        page_bytes = self._args.page_bytes if r.heads is None else (
+            self._args.layout.page_size * r.heads.count * self._args.layout.head_bytes)
+        kv = len(r.dst_pages) * page_bytes * len(self._dst_bufs)
         return kv + sum(self._args.meta_row_bytes)
 
     # ---- network ----------------------------------------------------------------------

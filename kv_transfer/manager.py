@@ -89,7 +89,8 @@ class TransferManager:
             num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
             page_bytes=a.page_bytes, num_pages=a.num_pages, k_ptrs=list(a.k_ptrs),
             v_ptrs=list(a.v_ptrs), buf_lens=list(a.buf_lens), meta_ptrs=list(a.meta_ptrs),
-            meta_row_bytes=list(a.meta_row_bytes), meta_rows=a.meta_rows)
+            meta_row_bytes=list(a.meta_row_bytes), meta_rows=a.meta_rows,
+            tp_rank=lay.tp_rank, tp_size=lay.tp_size)
 
     # ---- what the node publishes --------------------------------------------------------
 

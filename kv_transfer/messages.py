@@ -49,6 +49,8 @@ class Register:
     meta_ptrs: list[int]
     meta_row_bytes: list[int]
     meta_rows: int
+    tp_rank: int  # which rank of a TP decode node registers (its pool holds its KV heads)
+    tp_size: int
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import zmq
 
 from kv_transfer.args import KVArgs
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.heads import HeadRun, head_run_entries, head_run_regions
 from kv_transfer.lease import PeerAsks
 from kv_transfer.loop import ControlLoop
 from kv_transfer.memory import page_regions, write_bytes
@@ -82,12 +83,18 @@ class PrefillControl(ControlLoop):
 
     # ---- operations posted by KVSender ------------------------------------------------
 
-    def add_sender(self, room: int, status: RoomStatus) -> None:
+    def add_sender(self, room: int, status: RoomStatus, heads: HeadRun | None = None) -> None:
         if room in self._rooms:
             self._fail_status(status, "duplicate room: a sender for it is live")
             return
+        lay = self._args.layout
+        if heads is not None and (heads.p_rank, heads.p_size, heads.src_heads) != (
+                lay.tp_rank, lay.tp_size, lay.num_kv_heads):
+            self._fail_status(status, f"invalid head run: {heads} is not from {lay.tp_name}")
+            return
         self._finished.pop(room, None)
-        r = SenderRoom(room, status, deadline=time.monotonic() + self._cfg.bootstrap_timeout_s)
+        r = SenderRoom(room, status, deadline=time.monotonic() + self._cfg.bootstrap_timeout_s,
+                       heads=heads)
         self._rooms[room] = r
         self._stats.inc("rooms_started")
         if (pending := self._pending.pop(room, None)) is not None:
@@ -177,7 +184,7 @@ class PrefillControl(ControlLoop):
         r.peer = ident  # from here on, failures of this room are reported to this peer
         peer = self._peers.get(ident)
         reason = "decode peer not registered" if peer is None else check_request(
-            req, peer, self._args.layout.page_size)
+            req, peer, self._args.layout.page_size, self._expected_peer(r))
         if reason is not None:
             return self._fail(r, reason)
         r.request = req
@@ -190,6 +197,14 @@ class PrefillControl(ControlLoop):
         if not r.lease.valid():
             self._ask_lease(peer)  # so the answer is here before the first chunk is
         self._flush(r)
+
+    def _expected_peer(self, r: SenderRoom) -> tuple[int, int, int]:
+        """(TP rank, TP size, KV heads) of the decode pool the room writes: our own rank's
+        twin, or the head run's decode rank."""
+        if (h := r.heads) is not None:
+            return h.d_rank, h.d_size, h.dst_heads
+        lay = self._args.layout
+        return lay.tp_rank, lay.tp_size, lay.num_kv_heads
 
     def _flush(self, r: SenderRoom) -> None:
         """Hand queued chunks to the transfer thread once request and init are known."""
@@ -223,8 +238,17 @@ class PrefillControl(ControlLoop):
         assert r.request is not None
         dst = r.request.dst_pages[pos0:pos1]
         page_bytes = self._args.page_bytes
-        entries = kv_entries(page_runs(src, dst), self._src_bufs, peer.dst_buffers(), page_bytes)
-        crc = list(page_regions(self._src_bufs, src, page_bytes)) if self._cfg.checksum else None
+        if r.heads is None or r.heads.whole_rows:
+            entries = kv_entries(page_runs(src, dst), self._src_bufs, peer.dst_buffers(),
+                                 page_bytes)
+            crc = list(page_regions(self._src_bufs, src, page_bytes)) if self._cfg.checksum \
+                else None
+        else:  # one entry per token and layer buffer: the run of heads of one token row
+            lay = self._args.layout
+            entries = head_run_entries(self._src_bufs, peer.dst_buffers(), src, dst,
+                                       lay.page_size, r.heads, lay.head_bytes)
+            crc = head_run_regions(self._src_bufs, src, lay.page_size, r.heads, lay.head_bytes,
+                                   "src") if self._cfg.checksum else None
         if chunk.last:
             for b in range(len(self._args.meta_ptrs)):
                 ptr, size = self._args.meta_row(b, r.meta_slot)

@@ -29,6 +29,12 @@ class DecodePeer:
     def session(self) -> str:
         return self.reg.session
 
+    @property
+    def layout(self) -> KVLayout:
+        r = self.reg
+        return KVLayout(r.page_size, r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.model,
+                        r.tp_rank, r.tp_size)
+
     def dst_buffers(self) -> list[int]:
         """Layer buffers in canonical order (K of all layers, then V), like KVArgs."""
         return list(self.reg.k_ptrs) + list(self.reg.v_ptrs)
@@ -43,15 +49,17 @@ def check_register(reg: Register, args: KVArgs, backend: str) -> str | None:
         return f"incompatible transfer backend: {backend!r} != {reg.backend!r}"
     try:
         layout = KVLayout(reg.page_size, reg.num_layers, reg.num_kv_heads, reg.head_dim,
-                          reg.dtype, reg.model)
+                          reg.dtype, reg.model, reg.tp_rank, reg.tp_size)
     except ValueError as exc:
         return f"invalid registration: {exc}"
-    if (reason := args.layout.mismatch(layout)) is not None:
+    # Head count and TP rank may differ (another TP size): each room checks the decode
+    # rank it writes to (check_request).
+    if (reason := args.layout.mismatch(layout, heads=False)) is not None:
         return reason
     n = reg.num_layers
     if not len(reg.k_ptrs) == len(reg.v_ptrs) == len(reg.buf_lens) == n:
         return "invalid registration: buffer lists do not match num_layers"
-    if reg.page_bytes != args.page_bytes or reg.num_pages <= 0:
+    if reg.page_bytes != layout.page_bytes or reg.num_pages <= 0:
         return "invalid registration: page_bytes / num_pages"
     if any(length < reg.num_pages * reg.page_bytes for length in reg.buf_lens):
         return "invalid registration: buffer shorter than num_pages * page_bytes"
@@ -63,10 +71,14 @@ def check_register(reg: Register, args: KVArgs, backend: str) -> str | None:
     return None
 
 
-def check_request(req: Request, peer: DecodePeer, page_size: int) -> str | None:
-    """Why this request is invalid for `peer`, or None."""
+def check_request(req: Request, peer: DecodePeer, page_size: int,
+                  expect: tuple[int, int, int]) -> str | None:
+    """Why this request is invalid for `peer`, or None. `expect`: the (TP rank, TP size,
+    KV heads) of the decode pool the room writes (kv_transfer/heads.py)."""
     if peer.incompatible is not None:
         return peer.incompatible
+    if (reason := peer.layout.tp_mismatch(*expect)) is not None:
+        return reason
     reg = peer.reg
     if req.prefix_len < 0 or req.prefix_len % page_size:
         return f"invalid request: prefix_len {req.prefix_len} is not whole pages"

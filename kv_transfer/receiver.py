@@ -9,21 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kv_transfer.heads import HeadRun
 from kv_transfer.manager import TransferManager
 from kv_transfer.memory import read_bytes
 from kv_transfer.poll import KVPoll, RoomStatus
 
 
 class KVReceiver:
-    def __init__(self, mgr: TransferManager, room: int, peer_endpoint: str) -> None:
+    def __init__(self, mgr: TransferManager, room: int, peer_endpoint: str,
+                 heads: HeadRun | None = None) -> None:
         """`peer_endpoint`: the prefill's KV control endpoint "host:port" (from the
-        bootstrap registry's `kv_endpoint`)."""
+        bootstrap registry's `kv_endpoint`). `heads`: the prefill rank writes only this
+        head run of our pages (another TP size; kv_transfer/heads.py)."""
         self.room = room
         self._args = mgr.args
         self._ctl = mgr._decode_control()
         self._status = RoomStatus()
         self._slot: int | None = None
-        self._ctl.post(lambda: self._ctl.add_receiver(room, self._status, peer_endpoint))
+        self._ctl.post(lambda: self._ctl.add_receiver(room, self._status, peer_endpoint, heads))
 
     def init(self, dst_page_indices: Sequence[int], metadata_slot: int,
              prefix_len: int = 0) -> None:

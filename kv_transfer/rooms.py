@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kv_transfer.heads import HeadRun
 from kv_transfer.lease import LeaseCell
 from kv_transfer.messages import Request
 from kv_transfer.poll import RoomStatus
@@ -36,6 +37,7 @@ class SenderRoom:
     sent_last: bool = False
     lease: LeaseCell = field(default_factory=LeaseCell)  # until when we may write
     accepted_seq: int = 0  # lease asks sent to the peer before its request was accepted
+    heads: HeadRun | None = None  # a head run into another TP size; None: whole pages
 
 
 @dataclass
@@ -52,3 +54,4 @@ class ReceiverRoom:
     abort_deadline: float = math.inf
     started_at: float = 0.0
     granted_until: float = -math.inf  # the prefill may write until then (our clock)
+    heads: HeadRun | None = None  # the head run the prefill writes; None: whole pages

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kv_transfer.heads import HeadRun
 from kv_transfer.manager import TransferManager
 from kv_transfer.poll import KVPoll, RoomStatus
 
@@ -19,11 +20,13 @@ class KVSender:
     order; the last call with last=True, carrying the metadata row), and poll() until
     Success or Failed."""
 
-    def __init__(self, mgr: TransferManager, room: int) -> None:
+    def __init__(self, mgr: TransferManager, room: int, heads: HeadRun | None = None) -> None:
+        """`heads`: write only this head run into a decode rank of another TP size
+        (kv_transfer/heads.py); None: whole pages into the decode rank of our own rank."""
         self.room = room
         self._ctl = mgr._prefill_control()
         self._status = RoomStatus()
-        self._ctl.post(lambda: self._ctl.add_sender(room, self._status))
+        self._ctl.post(lambda: self._ctl.add_sender(room, self._status, heads))
 
     def init(self, num_pages: int, metadata_slot: int) -> None:
         """The prompt spans `num_pages` pages; `metadata_slot` is our metadata row."""

@@ -60,13 +60,18 @@ class PrefillRole(TransferRole):
     def add_request(self, req: Req, extra: dict) -> None:
         room = extra.pop("bootstrap_room", None)
         extra.pop("prefill_node_id", None)
+        # The decode node's TP size (the router's; absent: ours, rank to rank).
+        d_size = extra.pop("decode_tp_size", None) or self.ctx.tp_size
         if extra:
             raise ValueError(f"unexpected fields for a prefill node: {sorted(extra)}")
         if not isinstance(room, int) or not 0 <= room < 1 << 63:
             raise ValueError("a prefill node needs `bootstrap_room` (an integer in [0, 2^63))")
+        if not isinstance(d_size, int) or not 1 <= d_size <= 1024:
+            raise ValueError("`decode_tp_size` must be an integer in [1, 1024]")
         req.params.max_new_tokens = 1  # the decode node generates the rest
-        tp = self.ctx.tp
-        sender = KVSender(self.mgr, room) if tp is None else TPSender(self.mgr, room, tp)
+        ctx = self.ctx
+        sender = KVSender(self.mgr, room) if ctx.tp_size == d_size == 1 else TPSender(
+            self.mgr, room, ctx.tp, ctx.kv_heads, ctx.tp_size, d_size)
         req.pd = PrefillState(room, sender,
                               SendProgress(len(req.prompt_ids), self.page_size))
         self.bootstrap.append(req)

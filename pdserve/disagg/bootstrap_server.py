@@ -6,8 +6,11 @@ SGLang's router names a request's prefill to the decode worker only by address: 
 router's command line) to the body. With `--disaggregation-bootstrap-port`, a prefill node
 serves on that port what a decode node needs to reach it, the same fields its registry
 record has: `GET /bootstrap` answers `{"node": {node_id, instance_id, role, kv_endpoint,
-transfer_session, transfer_backend, model, page_size, kv_layout, http_url}}`. The decode
-side is `pdserve/disagg/bootstrap_peer.py`.
+transfer_session, transfer_backend, model, page_size, kv_layout, http_url}}` (a TP node
+also `tp_size`, `kv_endpoints`, `kv_heads_total`). The decode side is
+`pdserve/disagg/bootstrap_peer.py`. SGLang's router does not tell the prefill the decode's
+TP size, so through it prefill and decode must run the same TP size (a mismatch fails at
+the transfer handshake naming the TP ranks).
 
 The server runs in the node's HTTP process beside the main uvicorn server, on a socket
 bound before the node registers (so a taken port fails the start with one line, and port
@@ -27,7 +30,8 @@ from pdserve.http.errors import error_response, install_error_handlers
 from pdserve.ports import check_port_free
 
 PUBLIC_FIELDS = ("node_id", "instance_id", "role", "http_url", "kv_endpoint",
-                 "transfer_session", "transfer_backend", "model", "page_size", "kv_layout")
+                 "transfer_session", "transfer_backend", "model", "page_size", "kv_layout",
+                 "tp_size", "kv_endpoints", "kv_heads_total")
 
 
 def bind_bootstrap_socket(host: str, port: int) -> socket.socket:

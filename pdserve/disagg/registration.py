@@ -8,6 +8,7 @@ import time
 
 from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryError
+from bootstrap.pairing import pairing_problem
 from bootstrap.record import RegisteredNode, new_instance_id
 from pdserve.http.errors import ApiError
 from pdserve.netaddr import http_url
@@ -26,7 +27,7 @@ def node_record(cfg, ready) -> dict:
         "transfer_backend": kv["transfer_backend"], "model": kv["model"],
         "page_size": kv["page_size"], "kv_layout": kv["kv_layout"],
         "ttl_s": cfg.pd.registry_ttl_s,
-        **{k: kv[k] for k in ("tp_size", "kv_endpoints") if k in kv},  # TP nodes only
+        **{k: kv[k] for k in ("tp_size", "kv_endpoints", "kv_heads_total") if k in kv},
     }
 
 
@@ -76,11 +77,10 @@ def _register(client: RegistryClient, cfg, ready, get_stats, extra: dict) -> dic
 
 class PrefillPeerResolver:
     """Decode node: turn a leg's prefill reference into the prefill's KV endpoint, refusing
-    peers whose KV cannot land in our pool. The reference is `prefill_node_id` (pdserve's
+    peers whose KV cannot land in our pool (bootstrap/pairing.py: another TP size is fine
+    when both split the same KV heads). The reference is `prefill_node_id` (pdserve's
     router: a registry lookup) or `bootstrap_host` + `bootstrap_port` (SGLang's router: the
     prefill's bootstrap endpoint, `bootstrap_peer.py`)."""
-
-    FIELDS = ("model", "page_size", "kv_layout", "transfer_backend")
 
     def __init__(self, client: RegistryClient, me: dict) -> None:
         from pdserve.disagg.bootstrap_peer import BootstrapPeers
@@ -106,14 +106,9 @@ class PrefillPeerResolver:
             raise ApiError(400, "a decode node needs `bootstrap_room` and either "
                                 "`prefill_node_id` (pdserve's router) or `bootstrap_host` + "
                                 "`bootstrap_port` (SGLang's router)")
-        theirs, ours = peer.get("tp_size", 1), self.me.get("tp_size", 1)
-        if theirs != ours:
-            raise ApiError(400, f"{label} is incompatible: it runs TP {theirs} and this decode "
-                                f"node TP {ours} (KV moves only between equal TP sizes)")
-        for name in self.FIELDS:
-            if peer.get(name) != self.me.get(name):
-                raise ApiError(400, f"{label} is incompatible: {name} "
-                                    f"{peer.get(name)!r} != ours {self.me.get(name)!r}")
+        if (why := pairing_problem(peer, self.me)) is not None:
+            raise ApiError(400, f"{label} is incompatible with this decode node: {why} "
+                                "(theirs != ours)")
         out = {**extra, "prefill_kv_endpoint": peer["kv_endpoint"]}
         if peer.get("kv_endpoints"):
             out["prefill_kv_endpoints"] = list(peer["kv_endpoints"])

@@ -2,8 +2,9 @@
 `TransferManager` over its own KV pool (its KV heads), and the rooms rank 0's role drives.
 
 Rank 0 mirrors every sender / receiver call of its role to the workers as pipe ops (the
-same room id, the same pages and metadata slot: page tables are identical on every rank).
-Rank r's sender serves decode rank r, and rank r's receiver asks prefill rank r. A watcher
+same room id, the same pages, metadata slot and row: page tables are identical on every
+rank). Each room here is this rank's share (`SubRooms`): a sub-transfer per (prefill rank,
+decode rank) head run of this rank; equal TP sizes give one, rank r to rank r. A watcher
 thread reports each room's state changes back on the reply pipe; a room is dropped here
 once terminal and reported.
 """
@@ -14,9 +15,9 @@ import threading
 import time
 from typing import BinaryIO
 
-from kv_transfer import KVReceiver, KVSender, KVTransferConfig
+from kv_transfer import KVTransferConfig
 from pdserve.disagg.metadata import MetadataPool
-from pdserve.disagg.tp_transfer import tp_model_name
+from pdserve.disagg.sub_rooms import SubRooms, rank_receivers, rank_senders
 from pdserve.disagg.transfer_setup import make_kv_manager
 from pdserve.engine.tp_group import write_msg
 
@@ -28,10 +29,11 @@ class WorkerTransfer:
                  ) -> None:
         self.rank, self.out, self.out_lock = rank, out, out_lock
         self.meta = MetadataPool(int(msg["meta_rows"]))
+        self.size, self.kv_heads = int(msg["size"]), int(msg["kv_heads"])
         self.mgr = make_kv_manager(pool, msg["role"], self.meta,
-                                   KVTransferConfig(**msg["config"]),
-                                   tp_model_name(msg["model"], rank, msg["size"]))
-        self.rooms: dict[int, KVSender | KVReceiver] = {}
+                                   KVTransferConfig(**msg["config"]), msg["model"],
+                                   (rank, self.size))
+        self.rooms: dict[int, SubRooms] = {}
         self.reported: dict[int, tuple] = {}
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -45,9 +47,11 @@ class WorkerTransfer:
         op, room = msg["op"], int(msg["room"])
         with self.lock:
             if op == "sender_new":
-                self.rooms[room] = KVSender(self.mgr, room)
+                self.rooms[room] = rank_senders(self.mgr, room, self.kv_heads, self.rank,
+                                                self.size, int(msg["d_size"]))
             elif op == "receiver_new":
-                self.rooms[room] = KVReceiver(self.mgr, room, msg["endpoints"][self.rank])
+                self.rooms[room] = rank_receivers(self.mgr, room, self.kv_heads, self.rank,
+                                                  self.size, msg["endpoints"])
             else:
                 h = self.rooms.get(room)
                 if h is None:  # already terminal and dropped (an abort after the end)
@@ -55,7 +59,7 @@ class WorkerTransfer:
                 if op == "sender_init":
                     h.init(msg["num_pages"], msg["slot"])
                 elif op == "sender_send":
-                    h.send(msg["pages"], last=msg["last"])
+                    h.send(msg["pages"], last=msg["last"], metadata=msg["metadata"])
                 elif op == "receiver_init":
                     h.init(msg["pages"], msg["slot"], prefix_len=msg["prefix_len"])
                 elif op == "abort":

@@ -1,17 +1,19 @@
 """Rank 0's side of PD with TP (docs/architecture.md: Tensor parallelism): one room's
-transfer over every rank.
+transfer over every rank of both nodes, equal or different TP sizes.
 
 `TPSender` / `TPReceiver` have the `KVSender` / `KVReceiver` interface the roles use. They
-drive rank 0's own handle and mirror each call to the worker ranks (pdserve/disagg/
-tp_rooms.py), which report their rooms' states back. The room's state is the MIN over the
+drive rank 0's own share of the room (`SubRooms`: one sub-transfer per (prefill rank,
+decode rank) head run of rank 0) and mirror each call to the worker ranks (pdserve/disagg/
+tp_rooms.py), which report their shares' states back. The room's state is the MIN over the
 ranks (Failed < Bootstrapping < ... < Success, as SGLang's KVPoll order): Success only when
-every rank's transfer is. The first rank to fail aborts the room on every rank. A decode
-room reports Failed only once EVERY rank's room is terminal, so when the role frees the
-pages no write can land on any rank's pool.
+every sub-transfer is. The first rank to fail aborts the room on every rank. A decode room
+reports Failed only once EVERY rank's share is terminal, so when the role frees the pages
+no write can land on any rank's pool. A TP1 node talking to a TP node uses them too (no
+workers: rank 0's share alone).
 
-P TP = D TP only: prefill rank r writes to decode rank r. Each rank's layout carries its
-rank in the model identity (`tp_model_name`), so a Register from a different rank or TP
-size is refused by the transfer handshake too.
+Each rank's KV layout carries its TP rank and size; each sub-sender checks that the decode
+pool that asks for it is the rank (and head count) its head run writes, so a Register from
+another rank or TP size than the room expects is refused by the transfer handshake.
 """
 
 from __future__ import annotations
@@ -20,24 +22,20 @@ import dataclasses
 import weakref
 from collections.abc import Sequence
 
-from kv_transfer import KVPoll, KVReceiver, KVSender, KVTransferConfig, TransferManager
+from kv_transfer import KVPoll, KVTransferConfig, TransferManager
 from pdserve.disagg.metadata import MetadataPool
+from pdserve.disagg.sub_rooms import rank_receivers, rank_senders
 from pdserve.disagg.transfer_setup import make_kv_manager
 
 READY_TIMEOUT_S = 120.0
 
 
-def tp_model_name(model: str, rank: int, size: int) -> str:
-    """The model identity in a rank's KV layout: TP nodes only accept their peer rank."""
-    return model if size == 1 else f"{model} (TP rank {rank} of {size})"
-
-
 def start_worker_transfers(tp, role: str, cfg: KVTransferConfig, model: str,
-                           meta_rows: int, size: int) -> tuple[dict, ...]:
+                           meta_rows: int, size: int, kv_heads: int) -> tuple[dict, ...]:
     """Each worker rank registers its own pool with its own TransferManager; returns their
     registry fields (rank 1..N-1). `tp`: the engine's TPModel (rank 0's handle)."""
     tp.send_op({"op": "transfer", "role": role, "config": dataclasses.asdict(cfg),
-                "model": model, "meta_rows": meta_rows, "size": size})
+                "model": model, "meta_rows": meta_rows, "size": size, "kv_heads": kv_heads})
     return tuple(r["fields"] for r in tp.replies.wait_ready(READY_TIMEOUT_S))
 
 
@@ -47,32 +45,38 @@ def start_role_transfers(ctx, role: str, meta: MetadataPool, cfg: KVTransferConf
     ranks' own managers (their registry fields; None on a TP1 node). `ctx`: the role's
     RoleContext."""
     size = ctx.tp_size
-    mgr = make_kv_manager(ctx.kv_pool, role, meta, cfg, tp_model_name(model, 0, size))
+    mgr = make_kv_manager(ctx.kv_pool, role, meta, cfg, model, (0, size))
     workers = None if size == 1 else start_worker_transfers(ctx.tp, role, cfg, model,
-                                                             meta.size, size)
+                                                             meta.size, size, ctx.kv_heads)
     return mgr, workers
 
 
-def tp_registry_fields(local: dict, model: str, workers: tuple[dict, ...] | None) -> dict:
-    """One node record for all ranks: the plain model name, `tp_size` and every rank's KV
-    endpoint (rank order; `kv_endpoint` stays rank 0's). `workers` None: a TP1 node's own
-    fields, unchanged."""
+def tp_registry_fields(local: dict, model: str, workers: tuple[dict, ...] | None,
+                       kv_heads: int) -> dict:
+    """One node record for all ranks: the plain model name, `tp_size`, every rank's KV
+    endpoint (rank order; `kv_endpoint` stays rank 0's) and the model's KV head count
+    (`kv_layout` holds rank 0's: the router checks two TP sizes can be sliced). `workers`
+    None: a TP1 node's own fields, unchanged."""
     if workers is None:
         return local
-    return {**local, "model": model, "tp_size": 1 + len(workers),
+    return {**local, "model": model, "tp_size": 1 + len(workers), "kv_heads_total": kv_heads,
             "kv_endpoints": [local.get("kv_endpoint", "")] +
             [w.get("kv_endpoint", "") for w in workers]}
 
 
 class _TPRoom:
     def __init__(self, local, tp, room: int) -> None:
+        """`local`: rank 0's share (SubRooms); `tp`: the TPModel, None on a TP1 node."""
         self.local, self.tp, self.room = local, tp, room
         self._why: str | None = None  # the first rank failure, once seen
         self._fault = False
-        tp.replies.track(room)
-        weakref.finalize(self, tp.replies.forget, room)
+        if tp is not None:
+            tp.replies.track(room)
+            weakref.finalize(self, tp.replies.forget, room)
 
     def _op(self, op: str, **kw) -> None:
+        if self.tp is None:
+            return
         try:
             self.tp.send_op({"op": op, "room": self.room, **kw})
         except RuntimeError:
@@ -81,8 +85,9 @@ class _TPRoom:
     def _ranks(self) -> list[tuple[KVPoll, str | None, bool]]:
         mine = (self.local.poll(), self.local.failure_reason,
                 bool(getattr(self.local, "peer_fault", False)))
+        states = self.tp.replies.states(self.room) if self.tp is not None else []
         rest = [(KVPoll.Bootstrapping, None, False) if s is None else
-                (KVPoll(s[0]), s[1], bool(s[2])) for s in self.tp.replies.states(self.room)]
+                (KVPoll(s[0]), s[1], bool(s[2])) for s in states]
         return [mine, *rest]
 
     def _check(self, ranks) -> bool:
@@ -109,9 +114,10 @@ class _TPRoom:
 
 
 class TPSender(_TPRoom):
-    def __init__(self, mgr, room: int, tp) -> None:
-        super().__init__(KVSender(mgr, room), tp, room)
-        self._op("sender_new")
+    def __init__(self, mgr, room: int, tp, kv_heads: int, size: int, d_size: int) -> None:
+        """`size` / `d_size`: this prefill node's and the decode node's TP sizes."""
+        super().__init__(rank_senders(mgr, room, kv_heads, 0, size, d_size), tp, room)
+        self._op("sender_new", d_size=int(d_size))
 
     def init(self, num_pages: int, metadata_slot: int) -> None:
         self.local.init(num_pages, metadata_slot)
@@ -119,11 +125,13 @@ class TPSender(_TPRoom):
 
     def send(self, page_indices: Sequence[int], last: bool = False,
              metadata: bytes | Sequence[bytes] | None = None) -> None:
-        """Workers send the same pages of their own pools; only rank 0's metadata row (the
-        first token) is meaningful, theirs travel as written."""
+        """Workers send the same pages of their own pools, and the same metadata row (room,
+        first token): a decode rank may take its last heads from any prefill rank."""
         pages = [int(p) for p in page_indices]
-        self.local.send(pages, last=last, metadata=metadata)
-        self._op("sender_send", pages=pages, last=bool(last))
+        rows = [metadata] if isinstance(metadata, bytes | bytearray) else metadata
+        rows = None if rows is None else [bytes(r) for r in rows]
+        self.local.send(pages, last=last, metadata=rows)
+        self._op("sender_send", pages=pages, last=bool(last), metadata=rows)
 
     def poll(self) -> KVPoll:
         ranks = self._ranks()
@@ -133,8 +141,10 @@ class TPSender(_TPRoom):
 
 
 class TPReceiver(_TPRoom):
-    def __init__(self, mgr, room: int, tp, endpoints: list[str]) -> None:
-        super().__init__(KVReceiver(mgr, room, endpoints[0]), tp, room)
+    def __init__(self, mgr, room: int, tp, kv_heads: int, size: int,
+                 endpoints: Sequence[str]) -> None:
+        """`endpoints`: every prefill rank's KV endpoint; `size`: this decode node's TP."""
+        super().__init__(rank_receivers(mgr, room, kv_heads, 0, size, endpoints), tp, room)
         self._op("receiver_new", endpoints=list(endpoints))
 
     def init(self, dst_page_indices: Sequence[int], metadata_slot: int,

@@ -30,7 +30,8 @@ class TransferRole(Role):
             req.pd.meta_slot = None
 
     def registry_fields(self) -> dict:
-        return tp_registry_fields(self.mgr.registry_fields(), self.model_name, self.tp_fields)
+        return tp_registry_fields(self.mgr.registry_fields(), self.model_name, self.tp_fields,
+                                  self.ctx.kv_heads)
 
     def close(self) -> None:
         self.mgr.close()

@@ -8,12 +8,13 @@ from pdserve.memory.kv_pool import KVPool
 
 
 def make_kv_manager(pool: KVPool, role: str, meta: MetadataPool, cfg: KVTransferConfig,
-                    model_name: str) -> TransferManager:
+                    model_name: str, tp: tuple[int, int] = (0, 1)) -> TransferManager:
     """The pool's per-layer K/V buffers are registered as they are: page p means the same
-    bytes on every layer of both nodes (docs/architecture.md: Memory). A pool on a GPU is
+    bytes on every layer of both nodes (docs/architecture.md: Memory). `tp`: (rank, size) of
+    this pool's node; the pool holds that rank's KV heads. A pool on a GPU is
     read and written through a pinned bounce buffer (docs/architecture.md: KV transfer)."""
     args = KVArgs.from_tensors(pool.k_buffers, pool.v_buffers, pool.page_size, model_name,
-                               meta_bufs=[meta.buffer])
+                               meta_bufs=[meta.buffer], tp=tp)
     memory = None
     if pool.k_buffers[0].device.type != "cpu":
         from pdserve.disagg.bounce import BounceMemory

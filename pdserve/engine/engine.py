@@ -88,7 +88,8 @@ class Engine:
             self.loop = NormalLoop(self.sched, self.executor, self.out)
         self.requests: dict[str, Req] = {}
         self.role.attach(RoleContext(self.sched, self.out, self.kv, self.kv_pool,
-                                     cfg.max_running_requests, cfg.tp_size, self.tp))
+                                     cfg.max_running_requests, cfg.tp_size, self.tp,
+                                     self.loaded.hf_config.num_key_value_heads))
 
     def _make_hicache(self) -> tuple[HostKVPool | None, HiCacheController | None]:
         """The host KV tier and its copy controller, when HiCache is on

@@ -82,6 +82,7 @@ class RoleContext:
     max_running_requests: int
     tp_size: int = 1  # ranks of this node (docs/architecture.md: Tensor parallelism)
     tp: Any = None  # rank 0's TPModel when tp_size > 1: the roles repeat transfers on workers
+    kv_heads: int = 1  # the model's KV heads (all ranks): how KV is sliced between TP sizes
 
 
 class Role:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field, StrictBool, model_validator
 from pdserve.http.errors import ApiError
 
 # Fields of the two PD legs, carried from the body to the node's role (extra fields).
-LEG_FIELDS = ("bootstrap_room", "prefill_node_id", "bootstrap_host", "bootstrap_port")
+LEG_FIELDS = ("bootstrap_room", "prefill_node_id", "bootstrap_host", "bootstrap_port",
+              "decode_tp_size")
 # SGLang /generate flags whose true value asks for something pdserve does not produce.
 # (`return_logprob` is supported: GenerateBody declares it with its companions.)
 UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "background")
@@ -47,6 +48,9 @@ class BootstrapFields(BaseModel):
     bootstrap_room: int | None = Field(None, strict=True, ge=0, lt=1 << 63)
     bootstrap_host: str | None = Field(None, min_length=1, max_length=255)
     bootstrap_port: int | None = Field(None, strict=True, ge=1, lt=65536)
+    # pdserve's router, prefill leg: the decode node's TP size when it differs from the
+    # prefill's (KV sliced by heads; docs/architecture.md: Tensor parallelism).
+    decode_tp_size: int | None = Field(None, strict=True, ge=1, le=1024)
 
     @model_validator(mode="before")
     @classmethod

@@ -142,8 +142,8 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     async def generate(body: GenerateBody, request: Request):
         body.validate_input()
         if body.leg_fields():
-            raise ApiError(400, "bootstrap_room, prefill_node_id, bootstrap_host and "
-                                "bootstrap_port are set by the router")
+            raise ApiError(400, "bootstrap_room, prefill_node_id, bootstrap_host, "
+                                "bootstrap_port and decode_tp_size are set by the router")
         tok = await gw.tokenizer()
         ids = tok.encode(body.text if body.text is not None else body.input_ids)
         sp = body.sampling_params.model_dump()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from bootstrap.pairing import pairing_problem
 from pdserve.http.errors import ApiError
 from pdserve.router.config import RouterConfig
 from pdserve.router.legs import LegError, LegHook, Legs
@@ -115,13 +116,22 @@ class Dispatcher:
                                    for n in nodes[:4])
                 parts.append(f"every {role} node is failing ({errors})")
         if not parts:
-            parts.append("no decode node matches a prefill node's page size, KV layout and "
-                         "transfer backend")
+            parts.append("no decode node can take a prefill node's KV" + self._pair_example())
         if last is not None:
             parts.append(f"last error: {last.message}")
         if self.watcher.last_error:
             parts.append(f"registry unreachable: {self.watcher.last_error}")
         return "no node can serve the request: " + "; ".join(parts)
+
+
+    def _pair_example(self) -> str:
+        """Why the first prefill / decode nodes do not pair (bootstrap/pairing.py)."""
+        ps, ds = self.table.of_role("prefill"), self.table.of_role("decode")
+        if not ps or not ds:
+            return ""
+        p, d = ps[0], ds[0]
+        why = pairing_problem(p.as_dict(), d.as_dict())
+        return f" (e.g. {p.node_id} -> {d.node_id}: {why})" if why else ""
 
 
 def _prefer_others(nodes: list[NodeState], excluded: set[str]) -> list[NodeState]:

@@ -28,7 +28,7 @@ import httpx
 
 from pdserve.http.errors import ApiError
 from pdserve.router.events import DONE, StreamFormatError, parse_line
-from pdserve.router.nodes import NodeState
+from pdserve.router.nodes import NodeState, tp_size
 
 # Node statuses that are the client's own fault: passed through as they are.
 CLIENT_STATUSES = {400, 408, 413, 422}
@@ -152,6 +152,8 @@ class Legs:
 
     def start(self) -> None:
         p_body = {**self.body, "stream": False}
+        if (d_tp := tp_size(self.decode.record)) != tp_size(self.prefill.record):
+            p_body["decode_tp_size"] = d_tp  # the prefill slices its KV heads for it
         d_body = {**self.body, "stream": True, "prefill_node_id": self.prefill.node_id}
         self.tasks = [self._spawn(self.prefill, "prefill", p_body),
                       self._spawn(self.decode, "decode", d_body)]

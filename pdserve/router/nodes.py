@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from bootstrap.pairing import pairing_problem
 from bootstrap.record import RegisteredNode
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
@@ -32,6 +33,8 @@ class NodeState:
     # Kept although the registry no longer lists it, until then (time.monotonic()): the
     # registry forgot it (new store epoch), and its heartbeat will bring it back.
     carried_until: float | None = None
+    _dict: dict = field(default_factory=dict, repr=False, compare=False)
+    _dict_of: RegisteredNode | None = field(default=None, repr=False, compare=False)
 
     @property
     def node_id(self) -> str:
@@ -56,12 +59,16 @@ class NodeState:
         return self.record.load.running + self.record.load.waiting
 
     def pairs_with(self, other: NodeState) -> bool:
-        """Can KV move between the two? Same pages, same layout, same transfer backend, same
-        TP size (KV moves rank to rank; docs/architecture.md: Tensor parallelism)."""
-        a, b = self.record, other.record
-        return (a.page_size == b.page_size and a.kv_layout == b.kv_layout
-                and a.transfer_backend == b.transfer_backend and a.model == b.model
-                and _tp_size(a) == _tp_size(b))
+        """Can KV move between the two? Same pages, layout, transfer backend and model KV
+        heads, which both TP sizes split (bootstrap/pairing.py; docs/architecture.md: Tensor
+        parallelism): KV is sliced by heads between different TP sizes."""
+        return pairing_problem(self.as_dict(), other.as_dict()) is None
+
+    def as_dict(self) -> dict:
+        """The record as JSON (extra fields included), computed once per record."""
+        if self._dict_of is not self.record:
+            self._dict, self._dict_of = self.record.model_dump(mode="json"), self.record
+        return self._dict
 
     def view(self) -> dict:
         r = self.record
@@ -73,7 +80,7 @@ class NodeState:
                 "legs": dict(self.counts)}
 
 
-def _tp_size(record) -> int:
+def tp_size(record) -> int:
     """`tp_size` of a record (an extra field, absent on TP1 nodes)."""
     return (record.model_extra or {}).get("tp_size", 1)
 

@@ -234,8 +234,12 @@ class PDCluster:
         rid = f"pd-{next(_rids)}"
         preq = dreq = None
         if "p" in legs:
+            p_extra: dict = {"bootstrap_room": room}
+            d_tp = self.decodes[d].cfg.tp_size if self.decodes else 1
+            if d_tp != self.prefills[p].cfg.tp_size:  # as the router: KV sliced by heads
+                p_extra["decode_tp_size"] = d_tp
             preq = self.prefills[p].add_request(rid, list(prompt), SamplingParams(**vars(params)),
-                                                {"bootstrap_room": room})
+                                                p_extra)
         if "d" in legs:
             dreq = self.decodes[d].add_request(
                 rid, list(prompt), SamplingParams(**vars(params)),

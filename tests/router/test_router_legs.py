@@ -13,6 +13,7 @@ import httpx
 import pytest
 from test_router_units import record
 
+from bootstrap.record import RegisteredNode
 from pdserve.http.errors import ApiError
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
@@ -165,3 +166,33 @@ def test_prefill_faults_reported_by_decode_blame_the_prefill_and_retry(status, c
         assert table.nodes["d0"].breaker.consecutive == 0
         assert table.nodes["d0"].breaker.state == "closed"
         assert admission.running == 0
+
+
+def test_the_prefill_leg_names_the_decode_nodes_tp_size_when_it_differs():
+    """A TP1 prefill paired with a TP2 decode: the prefill leg carries `decode_tp_size` (the
+    prefill slices its KV heads for the decode's ranks); the decode leg does not."""
+    bodies: dict[str, dict] = {}
+
+    def handler(request):
+        bodies[role_of(request)] = json.loads(request.content)
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, content=sse_body())
+
+    async def go():
+        flow, admission, table, watcher = make(handler)
+        d = record("d0", "decode", heads=1).model_dump(mode="json")
+        d.update(tp_size=2, kv_endpoints=["127.0.0.1:2", "127.0.0.1:3"], kv_heads_total=2)
+        table.update([record("p0", "prefill"), RegisteredNode.model_validate(d)])
+        try:
+            await asyncio.wait_for(flow.start(), BOUND_S)
+            return [ev async for ev in flow.events()]
+        finally:
+            flow.close()
+            await flow.dispatcher.http.aclose()
+            watcher.close()
+
+    events = asyncio.run(asyncio.wait_for(go(), BOUND_S))
+    assert not [ev for ev in events if isinstance(ev, ApiError)], events
+    assert bodies["prefill"]["decode_tp_size"] == 2
+    assert "decode_tp_size" not in bodies["decode"]

@@ -9,12 +9,14 @@ import time
 
 import pytest
 
+from bootstrap.pairing import pairing_problem
 from bootstrap.record import RegisteredNode
 from pdserve.cli import build_parser
 from pdserve.http.errors import ApiError
 from pdserve.router.admission import Admission
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.events import DONE, StreamFormatError, parse_line, to_event
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.picker import order_decode, order_prefill, prefix_key
@@ -308,14 +310,35 @@ def test_a_draining_node_is_retried_elsewhere_and_never_picked_again():
     assert not table.nodes["d0"].draining  # a new instance (restarted pod) is used again
 
 
-def test_nodes_pair_only_with_equal_tp_size():
-    def tp_state(node_id: str, role: str, tp: int | None) -> NodeState:
-        rec = record(node_id, role, heads=1).model_dump(mode="json")
-        if tp is not None:  # TP1 nodes leave the field out
-            rec.update(tp_size=tp, kv_endpoints=["127.0.0.1:2"] * tp)
+def test_nodes_pair_across_tp_sizes_when_heads_can_be_sliced():
+    def tp_state(node_id: str, role: str, tp: int, total: int = 2) -> NodeState:
+        heads = total // tp if total >= tp else 1  # rank 0's share (GQA: replicated)
+        rec = record(node_id, role, heads=heads).model_dump(mode="json")
+        if tp > 1:  # TP1 nodes leave the fields out
+            rec.update(tp_size=tp, kv_endpoints=["127.0.0.1:2"] * tp, kv_heads_total=total)
         return NodeState(RegisteredNode.model_validate(rec), CircuitBreaker(3, 1.0, 8.0))
 
-    p1, p2 = tp_state("p1", "prefill", None), tp_state("p2", "prefill", 2)
-    d1, d2 = tp_state("d1", "decode", 1), tp_state("d2", "decode", 2)
-    assert p1.pairs_with(d1) and p2.pairs_with(d2)
-    assert not p1.pairs_with(d2) and not p2.pairs_with(d1)
+    p1, p2 = tp_state("p1", "prefill", 1), tp_state("p2", "prefill", 2)
+    d1, d2, d4 = (tp_state(f"d{t}", "decode", t) for t in (1, 2, 4))
+    # KV is sliced by heads: every TP size that splits the 2 KV heads pairs with every other.
+    assert all(p.pairs_with(d) for p in (p1, p2) for d in (d1, d2, d4))
+    # Another KV head count cannot be sliced into ours: never paired, whatever the TP.
+    other = tp_state("d3", "decode", 1, total=4)
+    assert not p1.pairs_with(other) and not p2.pairs_with(other)
+    assert pairing_problem(p2.as_dict(), other.as_dict()) == (
+        "KV heads 2 != 4 (KV cannot be sliced between different head counts)")
+    # A TP size that splits neither way (a hand-made record: nodes refuse it at start).
+    bad = tp_state("d9", "decode", 1, total=2).as_dict() | {"tp_size": 3, "kv_heads_total": 2}
+    assert "TP 3 cannot split 2 KV heads" in pairing_problem(p1.as_dict(), bad)
+    # Equal TP sizes still compare the per-rank layout as before.
+    assert not p1.pairs_with(state("d5", "decode", heads=1))
+
+
+def test_router_names_why_no_decode_can_take_the_prefills_kv():
+    class Watcher:
+        last_error = ""
+
+    table = NodeTable(RouterConfig())
+    table.update([record("p0", "prefill"), record("d0", "decode", heads=4)])
+    why = Dispatcher(RouterConfig(), table, Watcher(), None, None, None)._why_none(None)
+    assert "no decode node can take a prefill node's KV (e.g. p0 -> d0: KV heads 2 != 4" in why
