@@ -11,14 +11,17 @@ import json
 
 import httpx
 import pytest
-from test_router_units import record
+from test_router_units import record, state
 
 from pdserve.http.errors import ApiError
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
+from pdserve.router.events import DONE
 from pdserve.router.flow import Flow
+from pdserve.router.legs import STALLED, LegError, Legs
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import is_decode_death
 from pdserve.router.nodes import NodeTable
 from pdserve.router.watcher import RegistryWatcher
 
@@ -165,3 +168,99 @@ def test_prefill_faults_reported_by_decode_blame_the_prefill_and_retry(status, c
         assert table.nodes["d0"].breaker.consecutive == 0
         assert table.nodes["d0"].breaker.state == "closed"
         assert admission.running == 0
+
+
+# -- stall detection (--stream-stall-timeout-s) --------------------------------------------
+class SilentStream(httpx.AsyncByteStream):
+    """A decode stream that sends one unfinished event, then nothing (a paused node).
+    `closed` is set when the router lets go of it."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def __aiter__(self):
+        partial = {**GOOD_EVENT, "meta_info": {**GOOD_EVENT["meta_info"], "finish_reason": None}}
+        yield f"data: {json.dumps(partial)}\n\n".encode()
+        await asyncio.sleep(3600)
+        yield b""  # never reached
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+async def _legs(handler, stall_s: float):
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    legs = Legs(http, state("p0"), state("d0", "decode"), {"input_ids": [1]},
+                lambda n, o: None, stall_s)
+    legs.start()
+    return legs, http
+
+
+def test_a_silent_decode_stream_is_a_decode_death_and_is_let_go():
+    """One event, then silence: the leg ends as the decode node's 503 `decode_stalled`
+    (which migrates), and the router closes the stream (the node aborts when it runs)."""
+    silent = SilentStream()
+
+    def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, stream=silent)
+
+    async def go():
+        legs, http = await _legs(handler, 0.3)
+        try:
+            first = await asyncio.wait_for(legs.next(), BOUND_S)
+            with pytest.raises(LegError) as info:
+                await asyncio.wait_for(legs.next(), BOUND_S)
+            await asyncio.wait_for(silent.closed.wait(), BOUND_S)
+            return first, info.value
+        finally:
+            legs.cancel()
+            await http.aclose()
+
+    first, err = asyncio.run(go())
+    assert first["output_ids"] == [5]
+    assert err.status == 503 and err.code == STALLED and err.outcome == "stalled"
+    assert err.node_fault and "sent nothing for 0.3s" in err.message
+    assert is_decode_death(err, "d0")
+
+
+def test_no_stall_timer_before_the_decode_node_answers_nor_when_off():
+    """A decode node that answers late (it waits for the prefill's KV) is not stalled;
+    with the timer off (0) a silent stream is simply waited for."""
+    async def late(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        await asyncio.sleep(1.0)  # > the stall timeout, before the 200
+        return httpx.Response(200, content=sse_body())
+
+    async def go_late():
+        legs, http = await _legs(late, 0.2)
+        try:
+            return [await asyncio.wait_for(legs.next(), BOUND_S) for _ in range(2)]
+        finally:
+            legs.cancel()
+            await http.aclose()
+
+    first, done = asyncio.run(go_late())
+    assert first["output_ids"] == [5] and done == DONE
+
+    silent = SilentStream()
+
+    def quiet(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, stream=silent)
+
+    async def go_off():
+        legs, http = await _legs(quiet, 0)
+        try:
+            await asyncio.wait_for(legs.next(), BOUND_S)
+            with pytest.raises(TimeoutError):  # nothing ends it: the timer is off
+                await asyncio.wait_for(legs.next(), 1.0)
+            return silent.closed.is_set()
+        finally:
+            legs.cancel()
+            await http.aclose()
+
+    assert asyncio.run(go_off()) is False
