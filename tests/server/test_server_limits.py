@@ -151,7 +151,8 @@ def test_request_timeout_is_408(node, path):
     r = httpx.post(node.url + path, json=body, timeout=60)
     elapsed = time.monotonic() - t0
     assert_error(r, 408, "timed out")
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5
+    assert elapsed >= TIMEOUT_S  # not before the timeout ...
+    assert elapsed < TIMEOUT_S + 20, elapsed  # ... and soon after it (generous: loaded CI)
     node.wait_pools_full()  # the timed-out request was aborted, not left running
     assert node.generated_tokens() - before < LONG // 2
 
@@ -169,7 +170,8 @@ def test_streaming_timeout_ends_the_stream_with_an_error(node, path):
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
     assert err["code"] == "timeout" and "timed out" in err["message"]
-    assert len(events) > 3  # tokens were streamed before the timeout
+    # Tokens were streamed before the timeout (the 200 comes with the first of them).
+    assert len(events) >= 3 and "error" not in events[0], events[:3]
     node.wait_pools_full()
 
 
@@ -291,19 +293,19 @@ def test_scheduler_death_ends_open_streams_and_turns_health_503(node):
 
     t = threading.Thread(target=stream)
     t.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while len(lines) < 2:
         assert time.monotonic() < deadline and not errors, ("no stream", errors)
         time.sleep(0.01)
     os.kill(node.scheduler_pid(), signal.SIGKILL)
-    t.join(20)
+    t.join(60)
     assert not t.is_alive(), "the open stream hangs after the scheduler died"
     assert not errors, errors
     events = sse_events(lines)
     assert events[-1] == "[DONE]"  # ended properly, with the error in-band
     assert "error" in events[-2] and events[-2]["error"]["message"], events[-2]
 
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while httpx.get(f"{node.url}/health", timeout=10).status_code != 503:
         assert time.monotonic() < deadline, "/health still 200 with the scheduler dead"
         time.sleep(0.1)
@@ -324,10 +326,10 @@ def test_sigterm_exits_cleanly_even_without_scheduler(node):
     runtime send): the node exits promptly with 0, leaving no process and no IPC file."""
     log_before = node.log()
     t0 = time.monotonic()
-    rc = node.terminate(timeout=40, group=True)
+    rc = node.terminate(timeout=90, group=True)
     took = time.monotonic() - t0
     problems = node.exit_problems(rc, log_before=log_before)
     assert not problems, "\n".join(problems)
-    assert took < 20
+    assert took < 30, took  # promptly: well before the 90 s the test would wait
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{node.url}/health", timeout=5)
