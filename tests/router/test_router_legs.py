@@ -264,3 +264,68 @@ def test_no_stall_timer_before_the_decode_node_answers_nor_when_off():
             await http.aclose()
 
     assert asyncio.run(go_off()) is False
+
+
+def test_a_request_never_migrates_back_to_a_decode_node_it_left():
+    """Two decode nodes in turn go silent after one token; the request moves twice and
+    ends on the third node (a stalled node may wake up: it must not get the request back),
+    with all three tokens, two migrations counted."""
+    from transformers import AutoTokenizer
+
+    from pdserve.models.builtin import resolve_model
+    from pdserve.router.flow import Migration
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-llama", ""))
+    served: list[str] = []
+
+    def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        served.append(node_of(request))
+        token = 5 + len(served) - 1
+        event = {**GOOD_EVENT, "output_ids": [token], "text": "x",
+                 "meta_info": {**GOOD_EVENT["meta_info"],
+                               "finish_reason": "length" if len(served) == 3 else None}}
+        if len(served) == 3:
+            return httpx.Response(200, content=f"data: {json.dumps(event)}\n\n"
+                                               "data: [DONE]\n\n".encode())
+        return httpx.Response(200, stream=SilentAfter(event))
+
+    async def go():
+        cfg = RouterConfig(dispatch_attempts=3, request_timeout_s=120,
+                           stream_stall_timeout_s=0.3)
+        table = NodeTable(cfg, model="tiny-llama")
+        table.update([record("p0", "prefill")] +
+                     [record(n, "decode") for n in ("d0", "d1", "d2")])
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        watcher = RegistryWatcher(cfg, table, lambda: None)
+        metrics = RouterMetrics()
+        disp = Dispatcher(cfg, table, watcher, http, lambda n, o: None, metrics.retries.inc)
+        flow = Flow("r1", [1, 2, 3], {"max_new_tokens": 3, "temperature": 0},
+                    Admission(4, 4, 10), disp, metrics, 120, Migration(3, tok))
+        try:
+            await flow.start()
+            events = [ev async for ev in flow.events()]
+        finally:
+            flow.close()
+            await http.aclose()
+            watcher.close()
+        return events, metrics.migrations.labels("ok")._value.get()
+
+    events, migrated = asyncio.run(asyncio.wait_for(go(), BOUND_S))
+    assert not [e for e in events if isinstance(e, ApiError)], events
+    assert events[-1].output_ids == [5, 6, 7] and events[-1].finish_reason == "length"
+    assert len(set(served)) == 3, served  # d0, d1, d2 in some order, none twice
+    assert migrated == 2
+
+
+class SilentAfter(httpx.AsyncByteStream):
+    """One given event, then silence."""
+
+    def __init__(self, event: dict) -> None:
+        self.event = event
+
+    async def __aiter__(self):
+        yield f"data: {json.dumps(self.event)}\n\n".encode()
+        await asyncio.sleep(3600)
+        yield b""
