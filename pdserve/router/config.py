@@ -43,6 +43,11 @@ class RouterConfig:
     migration_limit: int = _opt(3, "times one request may move to a new node pair when its "
                                    "decode node dies mid-stream (0: end the stream with an "
                                    "error instead)")
+    stream_stall_timeout_s: float = _opt(20.0, "a decode stream that sends nothing for this "
+                                               "many seconds once it has begun is taken for a "
+                                               "dead decode node (paused, hung) and migrated "
+                                               "like one (0: off; the request timeout still "
+                                               "bounds it)")
     breaker_failures: int = _opt(3, "consecutive failures that open a node's circuit breaker "
                                     "(a refused connection opens it at once)")
     breaker_cooldown_s: float = _opt(2.0, "first pause of an open breaker before one trial "
@@ -84,9 +89,10 @@ class RouterConfig:
         for flag, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
-        if self.max_queued_requests < 0 or self.prefix_pages < 0 or self.migration_limit < 0:
-            raise ValueError("--max-queued-requests, --prefix-pages and --migration-limit "
-                             "must be >= 0")
+        if min(self.max_queued_requests, self.prefix_pages, self.migration_limit,
+               self.stream_stall_timeout_s) < 0:
+            raise ValueError("--max-queued-requests, --prefix-pages, --migration-limit and "
+                             "--stream-stall-timeout-s must be >= 0")
         if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
             raise ValueError("--breaker-max-cooldown-s must be >= --breaker-cooldown-s")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:

@@ -60,7 +60,8 @@ class Dispatcher:
             body = {"input_ids": ids, "sampling_params": sampling,
                     "rid": f"{rid}-{attempt}", "bootstrap_room": secrets.randbits(63),
                     **(extra or {})}
-            legs = Legs(self.http, prefill, decode, body, self.on_leg)
+            legs = Legs(self.http, prefill, decode, body, self.on_leg,
+                        self.cfg.stream_stall_timeout_s)
             legs.start()
             try:
                 return Opened(legs, await legs.next())

@@ -38,6 +38,7 @@ class Flow:
         self.rid, self.ids, self.sampling = rid, ids, sampling
         self.migration = migration
         self.migrations = 0
+        self.dead_decodes: set[str] = set()  # decode nodes this request left (died, stalled)
         self.stitcher: Stitcher | None = None
         self.extra = extra or {}  # SGLang logprob fields for both legs
         self._prefill_meta: dict | None = None
@@ -154,10 +155,11 @@ class Flow:
                                         f"{m.limit} reached)", err.code)
         self.migrations += 1
         self.opened.legs.cancel()
+        self.dead_decodes.add(dead)  # never back to one it left (a stalled node may wake)
         ids, sampling = continuation(self.ids, self.sampling, last)
         try:
             self.opened = await self._bounded(self.dispatcher.open(
-                ids, sampling, f"{self.rid}-m{self.migrations}", exclude={dead}))
+                ids, sampling, f"{self.rid}-m{self.migrations}", exclude=self.dead_decodes))
         except ApiError as again:
             self.metrics.migrations.labels("failed").inc()
             self.outcome = str(again.code or again.status)

@@ -16,13 +16,21 @@ Blame: a decode node that cannot get the KV from its prefill node says so with t
 `prefill_node_unavailable` (prefill not in the registry) or `prefill_failed` (heartbeat
 lost, transfer failed on the prefill side); that failure is charged to the prefill node,
 never to the decode node, and is retryable with another prefill node.
+
+Stall: once the decode node has answered 200, a stream that sends no line for
+`stall_s` seconds (`--stream-stall-timeout-s`) ends the leg as a 503 of that node, code
+`decode_stalled`, exactly like a connection lost mid-stream: a SIGSTOPped or hung node
+keeps its TCP connection open, so only silence tells. The router then closes the
+connection (the node aborts the request once it runs again) and the flow migrates the
+request (pdserve.router.migration). Before the 200 there is no stall timer: the decode
+node answers only once the prefill node's KV arrived, which may rightly take long.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -38,6 +46,7 @@ REFUSED_STATUSES = {429, 503}
 PREFILL_FAULT_CODES = {"prefill_node_unavailable", "prefill_failed"}
 # A node that got SIGTERM refuses new requests with this code (pdserve/server/drain.py).
 DRAINING = "draining"
+STALLED = "decode_stalled"
 
 log = logging.getLogger("pdserve.router")
 LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
@@ -58,6 +67,8 @@ class LegError(Exception):
 
     @property
     def outcome(self) -> str:
+        if self.code == STALLED:
+            return "stalled"
         return "unreachable" if self.hard else "refused" if self.retryable else "error"
 
     def api_error(self) -> ApiError:
@@ -136,11 +147,30 @@ def inband_error(node: NodeState, err: object, prefill: NodeState | None = None)
     return LegError(node, "decode", status, f"decode node {node.node_id}: {msg}", code)
 
 
+class Stalled(Exception):
+    """The decode stream sent nothing for the stall timeout."""
+
+
+async def stall_guarded(lines: AsyncIterator[str], stall_s: float) -> AsyncIterator[str]:
+    """`lines`, raising Stalled when the next one takes longer than `stall_s` (0: never)."""
+    while True:
+        try:
+            if stall_s > 0:
+                line = await asyncio.wait_for(anext(lines), stall_s)
+            else:
+                line = await anext(lines)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Stalled from None
+        yield line
+
+
 class Legs:
     def __init__(self, http: httpx.AsyncClient, prefill: NodeState, decode: NodeState,
-                 body: dict, on_leg: LegHook) -> None:
+                 body: dict, on_leg: LegHook, stall_s: float = 0.0) -> None:
         self.http, self.prefill, self.decode = http, prefill, decode
-        self.body, self.on_leg = body, on_leg
+        self.body, self.on_leg, self.stall_s = body, on_leg, stall_s
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.decoding = False  # the decode leg has sent output
@@ -251,7 +281,7 @@ class Legs:
                 if resp.status_code != 200:
                     await resp.aread()
                     return status_error(node, "decode", resp, self.prefill)
-                async for line in resp.aiter_lines():
+                async for line in stall_guarded(resp.aiter_lines(), self.stall_s):
                     obj = parse_line(line)
                     if obj is None:
                         continue
@@ -267,6 +297,12 @@ class Legs:
             return transport_error(node, "decode", exc)
         except StreamFormatError as exc:
             return LegError(node, "decode", 503, f"decode node {node.node_id}: {exc}",
+                            node_fault=True)
+        except Stalled:
+            log.warning("decode node %s sent nothing for %gs: taken for dead", node.node_id,
+                        self.stall_s)
+            return LegError(node, "decode", 503, f"decode node {node.node_id} sent nothing "
+                            f"for {self.stall_s:g}s (--stream-stall-timeout-s)", STALLED,
                             node_fault=True)
         return LegError(node, "decode", 503,
                         f"decode node {node.node_id} ended its stream without [DONE]",

@@ -14,6 +14,8 @@ from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryAuthError, RegistryRejected, RegistryUnavailable
 from bootstrap.heartbeat import DEFAULT_BACKOFF_BASE_S
 
+CACHE_TTL_S = 3.0
+
 
 def _status(registry, node_id: str) -> int:
     return httpx.get(f"{registry.url}/v1/nodes/{node_id}").status_code
@@ -21,16 +23,21 @@ def _status(registry, node_id: str) -> int:
 
 def test_heartbeat_keeps_record_alive_reports_load_and_deregisters(start_registry) -> None:
     registry = start_registry()
-    record = node_record(ttl_s=1.5)  # renew every 0.5 s: slack for a loaded CI machine
+    ttl = 4.0  # renew every 1.33 s: a record expires only after 4 s without a beat
+    record = node_record(ttl_s=ttl)
     counter = itertools.count()
     client = RegistryClient(registry.url)
+    t0 = time.monotonic()
     node = client.register(
         record, load_fn=lambda: {"running": next(counter), "waiting": 2, "kv_usage": 0.25}
     )
     assert node is not None and node.instance_id == record["instance_id"]
-    assert client.heartbeat.interval_s == pytest.approx(0.5)  # TTL/3
+    assert client.heartbeat.interval_s == pytest.approx(ttl / 3)
 
-    time.sleep(3.2)  # more than twice the TTL
+    # Seven beats (the registration and six renewals, one interval apart at least) span
+    # twice the TTL: the record outlived its TTL only because it was renewed.
+    wait_for(lambda: client.heartbeat_stats.beats >= 7, 60, "seven beats")
+    assert time.monotonic() - t0 >= 2 * ttl
     stored = client.get_node(record["node_id"], fresh=True)
     assert stored is not None and stored.generation == 1
     assert stored.registered_at == node.registered_at  # renewed, never re-created
@@ -47,10 +54,10 @@ def test_heartbeat_keeps_record_alive_reports_load_and_deregisters(start_registr
 def test_backoff_while_registry_is_down_then_reregisters(start_registry) -> None:
     registry = start_registry()  # memory store: a restart forgets every node
     record = node_record(ttl_s=3.0)  # renew every 1 s; backoff capped at 1 s
-    with RegistryClient(registry.url, timeout_s=0.5) as client:
+    with RegistryClient(registry.url, timeout_s=5.0) as client:
         assert client.register(record) is not None
         registry.stop()
-        wait_for(lambda: client.heartbeat_stats.consecutive_failures >= 4, 10, "4 failures")
+        wait_for(lambda: client.heartbeat_stats.consecutive_failures >= 4, 60, "4 failures")
 
         # Jittered exponential: the k-th delay lies in [c/2, c], c = min(cap, base * 2^k).
         delays = list(client.heartbeat_stats.retry_delays)[:4]
@@ -59,7 +66,9 @@ def test_backoff_while_registry_is_down_then_reregisters(start_registry) -> None
             assert ceiling / 2 <= delay <= ceiling, (k, delays)
 
         registry.start()  # same port, empty store
-        wait_for(lambda: _status(registry, record["node_id"]) == 200, 5, "re-registration")
+        wait_for(lambda: _status(registry, record["node_id"]) == 200, 60, "re-registration")
+        # The stored record comes before the client has read the answer to its PUT.
+        wait_for(lambda: client.heartbeat_stats.consecutive_failures == 0, 30, "the 201 read")
         stats = client.heartbeat_stats
         assert stats.reregistrations == 1 and stats.consecutive_failures == 0
         stored = client.get_node(record["node_id"], fresh=True)
@@ -70,23 +79,24 @@ def test_backoff_while_registry_is_down_then_reregisters(start_registry) -> None
 def test_node_may_start_before_the_registry(start_registry) -> None:
     port = free_port()
     record = node_record(ttl_s=3.0)
-    with RegistryClient(f"http://127.0.0.1:{port}", timeout_s=0.5) as client:
+    with RegistryClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as client:
         assert client.register(record) is None  # unreachable: keeps trying in the background
         registry = start_registry(port=port)
-        wait_for(lambda: _status(registry, record["node_id"]) == 200, 5, "late registration")
+        wait_for(lambda: _status(registry, record["node_id"]) == 200, 60, "late registration")
+        wait_for(lambda: client.registered_node is not None, 30, "the 201 read")
         assert client.heartbeat_stats.reregistrations == 0  # a first registration
         assert client.registered_node.instance_id == record["instance_id"]
 
 
 def test_superseded_instance_stops_and_spares_its_successor(start_registry) -> None:
     registry = start_registry()
-    old = node_record(ttl_s=1.0)
-    new = node_record(old["node_id"], ttl_s=1.0)  # same node, new instance_id
+    old = node_record(ttl_s=3.0)  # renews every second; expires only after 3 s without
+    new = node_record(old["node_id"], ttl_s=3.0)  # same node, new instance_id
     with RegistryClient(registry.url) as old_client, RegistryClient(registry.url) as new_client:
         old_client.register(old)
         new_client.register(new)
-        wait_for(lambda: old_client.heartbeat_stats.superseded, 3, "409 on the old instance")
-        wait_for(lambda: not old_client.heartbeat.running, 3, "old heartbeat to stop")
+        wait_for(lambda: old_client.heartbeat_stats.superseded, 30, "409 on the old instance")
+        wait_for(lambda: not old_client.heartbeat.running, 30, "old heartbeat to stop")
         assert old_client.deregister() is False  # must not delete the successor
         stored = new_client.get_node(new["node_id"], fresh=True)
         assert stored.instance_id == new["instance_id"]
@@ -120,8 +130,11 @@ def test_rejected_record_raises_at_once(start_registry) -> None:
 def test_lookups_are_cached_briefly_and_served_stale_in_an_outage(start_registry) -> None:
     registry = start_registry()
     writer = RegistryClient(registry.url)
-    reader = RegistryClient(registry.url, cache_ttl_s=0.5, stale_ok_s=30, timeout_s=0.5)
-    strict = RegistryClient(registry.url, cache_ttl_s=0.5, stale_ok_s=0, timeout_s=0.5)
+    # A cache TTL of seconds, so "within cache_ttl_s" holds on a loaded machine too.
+    reader = RegistryClient(registry.url, cache_ttl_s=CACHE_TTL_S, stale_ok_s=60,
+                            timeout_s=5.0)
+    strict = RegistryClient(registry.url, cache_ttl_s=CACHE_TTL_S, stale_ok_s=0,
+                            timeout_s=5.0)
     try:
         first, second = node_record(role="decode"), node_record(role="decode")
         writer.put_record(first)
@@ -138,7 +151,7 @@ def test_lookups_are_cached_briefly_and_served_stale_in_an_outage(start_registry
 
         strict.list_nodes("decode")
         registry.stop()
-        time.sleep(0.6)  # past cache_ttl_s
+        time.sleep(CACHE_TTL_S + 0.2)  # past cache_ttl_s
         assert len(reader.list_nodes("decode")) == 2  # stale, but better than nothing
         assert reader.get_node(late["node_id"]).node_id == late["node_id"]
         with pytest.raises(RegistryUnavailable):

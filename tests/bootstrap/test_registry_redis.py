@@ -69,11 +69,13 @@ def test_ttl_is_a_redis_expiry_and_keys_stay_under_the_prefix(
     start_registry, redis_prefix: RedisPrefix
 ) -> None:
     registry = start_registry(*store_args("redis", redis_prefix), "--token", "t")
-    record = node_record(ttl_s=5)
+    record = node_record(ttl_s=60)
     url = f"{registry.url}/v1/nodes/{record['node_id']}"
     assert httpx.put(url, json=record, headers={"Authorization": "Bearer t"}).status_code == 201
     key = f"{redis_prefix.prefix}node:{record['node_id']}"
-    assert 4000 < redis_prefix.client.pttl(key) <= 5000  # Redis itself forgets dead nodes
+    # Redis itself forgets dead nodes: the key expires with the TTL (less what the put and
+    # this read took: seconds at most, even on a loaded machine).
+    assert 50_000 < redis_prefix.client.pttl(key) <= 60_000
     assert httpx.get(f"{registry.url}/v1/nodes").status_code == 200  # a read: the epoch
     assert set(redis_prefix.keys()) == {key, f"{redis_prefix.prefix}index",
                                         f"{redis_prefix.prefix}epoch"}
@@ -97,7 +99,7 @@ def test_redis_outage_is_503_and_recovers(start_registry, redis_prefix: RedisPre
         assert httpx.get(f"{registry.url}/health").status_code == 503
 
         proxy.start()
-        wait_for(lambda: httpx.get(f"{registry.url}/health").status_code == 200, 10, "recovery")
+        wait_for(lambda: httpx.get(f"{registry.url}/health").status_code == 200, 60, "recovery")
         assert httpx.get(url).json()["instance_id"] == record["instance_id"]
 
 
@@ -136,5 +138,5 @@ def test_livez_stays_ok_when_redis_is_down(start_registry, redis_prefix: RedisPr
         assert httpx.get(f"{registry.url}/livez").status_code == 200
         assert httpx.get(f"{registry.url}/readyz").status_code == 503
         proxy.start()
-        wait_for(lambda: httpx.get(f"{registry.url}/readyz").status_code == 200, 10,
+        wait_for(lambda: httpx.get(f"{registry.url}/readyz").status_code == 200, 60,
                  "readiness back with Redis")

@@ -179,11 +179,16 @@ def test_staging_ring_waits_for_the_forward_to_copy_inputs():
     third = []
     t = threading.Thread(target=lambda: third.append(ring.pack(_ints(3), {})))
     t.start()
-    time.sleep(0.2)
-    assert t.is_alive() and not third  # buffer 0 still holds the first batch's inputs
+    # The third pack reaches the guard (counted just before it blocks) within a generous
+    # deadline; it must then still be blocked: buffer 0 holds the first batch's inputs.
+    deadline = time.monotonic() + 30
+    while ring.guard_waits == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert ring.guard_waits == 1
+    t.join(timeout=0.2)  # a pack that ignored the guard would be done by now
+    assert t.is_alive() and not third
     dev = first.to_device(torch.device("cpu"))  # the forward copied them: buffer released
-    t.join(timeout=5)
+    t.join(timeout=30)
     assert not t.is_alive()
     assert third[0].buf is first.buf
     assert dev["input_ids"].tolist() == [1, 1, 1, 1]  # the copy is unaffected by reuse

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -67,6 +68,15 @@ class RogueDecode(_Socket):
                 out.append(msgpack.unpackb(frames[-1]))
         return out
 
+    def collect_until(self, done: Callable[[list[dict[str, Any]]], bool],
+                      timeout: float) -> list[dict[str, Any]]:
+        """Messages until `done(messages)` holds or `timeout` passed (the caller asserts)."""
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while not done(out) and time.monotonic() < deadline:
+            out.extend(self.collect(0.05))
+        return out
+
 
 class RoguePrefill(_Socket):
     """A bound ROUTER that decode receivers are pointed at; answers pings and aborts."""
@@ -84,6 +94,13 @@ class RoguePrefill(_Socket):
                reason: str = "") -> None:
         self.send_to(room, pack("status", room=room, state=state, start=start, end=end,
                                 checksum=checksum, reason=reason))
+
+    def serve_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Serve (answer pings, record requests) until `done()` or `timeout`; `done()`."""
+        deadline = time.monotonic() + timeout
+        while not (ok := done()) and time.monotonic() < deadline:
+            self.serve(0.05)
+        return ok
 
     def serve(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

@@ -6,10 +6,11 @@ decoding. Each ends both legs with a clear error (a leg that already finished it
 stays finished), quickly rather than by a timeout, and leaves every KV page, request slot
 and metadata slot of both engines back to full.
 
-Timeouts are short but far above the "fails fast" bound, so a leg that only fails because
-a timeout fired is caught. The one exception is a decode leg aborted before it told the
-prefill where to write: the prefill has not heard of it yet and ends its leg by its
-bootstrap timeout (asserted with that bound).
+A leg that only fails because a timeout fired is caught by its error (it must not name a
+timeout or a lost heartbeat); apart from that verdict, the time it took is asserted against
+FAST_S, which sits below every transfer timeout but is generous for a loaded 2-core
+machine. The one exception is a decode leg aborted before it told the prefill where to
+write: the prefill has not heard of it yet and ends its leg by its bootstrap timeout.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from pd_pair import (
 from kv_transfer import KVPoll
 
 MODEL = "tiny-llama"
-TRANSFER = {"bootstrap_timeout_s": 4.0, "transfer_timeout_s": 8.0,
+TRANSFER = {"bootstrap_timeout_s": 10.0, "transfer_timeout_s": 20.0,
             "heartbeat_interval_s": 2.0, "heartbeat_misses": 2}
-FAST_S = 2.0  # an abort reaches the other leg well within this (every timeout is >= 4 s)
+FAST_S = 6.0  # an abort reaches the other leg within this (milliseconds when quiet)
+WAIT_S = 30.0  # how long a test waits for a leg to end before it reports what it saw
 SHORT = random_prompt(40, seed=1)
 LONG = random_prompt(600, seed=2)  # 10 chunks of 64
 N = 24
@@ -62,7 +64,7 @@ def pd(backend) -> Iterator[PDCluster]:
     cluster = _clusters[backend]
     cluster.reset_caches()  # every test starts cold: cache hits would change the timing
     yield cluster
-    cluster.run(timeout=15)  # let whatever the test left settle, then it must be full
+    cluster.run(timeout=60)  # let whatever the test left settle, then it must be full
     problems = cluster.problems()
     if problems:
         _clusters.pop(backend).close()  # do not hand a broken cluster to the next test
@@ -75,13 +77,19 @@ def timed_run(pd: PDCluster, cond, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+def assert_failed_by_abort(req, what: str) -> None:
+    """Failed, and because of the abort: not by a deadline or a lost heartbeat."""
+    assert_failed(req, what)
+    assert not any(w in req.error for w in ("timeout", "heartbeat")), (what, req.error)
+
+
 def done(engine, req) -> bool:
     """The leg is over for its engine (reported; a prefill leg holds KV until then)."""
     return req.finished and engine.requests.get(req.rid) is not req
 
 
 def check_normal_request_still_works(pd: PDCluster, p: int = OVERLAP) -> None:
-    legs = pd.generate([SHORT], greedy(8), p=p, timeout=20)
+    legs = pd.generate([SHORT], greedy(8), p=p, timeout=60)
     assert legs[0].output_ids == colocated_greedy(MODEL, [SHORT], 8)[0]
 
 
@@ -94,15 +102,15 @@ def test_abort_prefill_in_bootstrap_queue(pd):
     pe.step()
     assert leg.prefill in pe.role.bootstrap  # the decode has not pre-allocated yet
     assert pe.abort(leg.rid)
-    pd.run(timeout=5, engines=[pe])
+    pd.run(timeout=60, engines=[pe])
     assert_failed(leg.prefill, "prefill leg")
     assert leg.prefill.slot is None and leg.prefill.pd.meta_slot is None
     # The decode leg never got its pages from this room: it fails as soon as it asks.
     free_before = de.memory_stats()["free_pages"]
-    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
-    assert_failed(leg.decode, "decode leg")
+    elapsed = timed_run(pd, lambda: leg.decode.finished, WAIT_S)
+    assert_failed_by_abort(leg.decode, "decode leg")
     assert elapsed < FAST_S, f"decode leg failed after {elapsed:.2f}s: a timeout, not the abort"
-    pd.run(timeout=5)
+    pd.run(timeout=60)
     assert de.memory_stats()["free_pages"] == free_before
     pd.assert_pools_full()
     check_normal_request_still_works(pd)
@@ -113,15 +121,16 @@ def test_abort_decode_in_preallocation_fails_prefill_leg_within_bootstrap_timeou
     leg = pd.submit(SHORT, greedy(N))
     assert de.abort(leg.rid)  # still in the pre-allocation queue: nothing allocated
     assert leg.decode.finished and leg.decode.slot is None
-    pd.run(timeout=5, engines=[de])
+    pd.run(timeout=60, engines=[de])
     assert_failed(leg.decode, "decode leg")
     assert de.pools_full()  # nothing was allocated (or it was given back)
     # The decode never told the prefill where to write; the prefill leg must not wait
     # forever: it fails within its bootstrap timeout.
     elapsed = timed_run(pd, lambda: done(pe, leg.prefill),
-                        TRANSFER["bootstrap_timeout_s"] + 4)
+                        TRANSFER["bootstrap_timeout_s"] + WAIT_S)
     assert_failed(leg.prefill, "prefill leg")
-    assert elapsed < TRANSFER["bootstrap_timeout_s"] + 2
+    assert "bootstrap timeout" in leg.prefill.error, leg.prefill.error
+    assert elapsed < TRANSFER["bootstrap_timeout_s"] + 10, elapsed
     pd.assert_pools_full()
 
 
@@ -131,22 +140,22 @@ def test_abort_decode_in_preallocation_fails_prefill_leg_within_bootstrap_timeou
 def test_abort_prefill_in_waiting_queue(pd):
     pe, de = pd.prefills[OVERLAP], pd.decodes[0]
     leg = pd.submit(LONG, greedy(N))
-    pd.run(timeout=5, until=lambda: leg.decode in de.role.transferring, engines=[de])
+    pd.run(timeout=60, until=lambda: leg.decode in de.role.transferring, engines=[de])
     # Advance only the prefill role (not the scheduler) until the request has left the
     # bootstrap queue: it is in the waiting queue, not admitted yet.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while leg.prefill not in pe.sched.waiting:
         assert time.monotonic() < deadline, pd.dump()
         pe.role.poll()
         time.sleep(0.001)
     assert leg.prefill.slot is None and leg.prefill.pd.meta_slot is not None
     assert pe.abort(leg.rid)
-    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
+    elapsed = timed_run(pd, lambda: leg.decode.finished, WAIT_S)
     assert_failed(leg.prefill, "prefill leg")
-    assert_failed(leg.decode, "decode leg")
+    assert_failed_by_abort(leg.decode, "decode leg")
     assert "abort" in leg.decode.error, leg.decode.error
     assert elapsed < FAST_S, f"decode leg failed after {elapsed:.2f}s"
-    pd.run(timeout=10)
+    pd.run(timeout=60)
     assert leg.prefill.pd.progress.sent_pages == 0
     pd.assert_pools_full()
 
@@ -179,7 +188,7 @@ def test_abort_mid_chunk_with_a_chunk_in_flight(pd):
     leg = pd.submit(LONG, greedy(N), p=OVERLAP)
     req = leg.prefill
     # Run until a middle chunk is in flight after at least one chunk was already sent.
-    pd.run(timeout=20, until=lambda: req.pd.progress.sent_pages >= 4
+    pd.run(timeout=60, until=lambda: req.pd.progress.sent_pages >= 4
            and _middle_chunk_in_flight(pe, req))
     assert req.pd.progress.inflight_middle_chunks >= 1
     assert leg.decode.pd.receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
@@ -188,10 +197,10 @@ def test_abort_mid_chunk_with_a_chunk_in_flight(pd):
     calls = _spy_sends(req)
     assert pe.abort(leg.rid)
     assert req not in pe.sched.running  # no further chunk can be scheduled
-    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
-    assert_failed(leg.decode, "decode leg")
+    elapsed = timed_run(pd, lambda: leg.decode.finished, WAIT_S)
+    assert_failed_by_abort(leg.decode, "decode leg")
     assert elapsed < FAST_S, f"decode leg failed after {elapsed:.2f}s"
-    pd.run(timeout=10)
+    pd.run(timeout=60)
     assert_failed(leg.prefill, "prefill leg")
     assert not calls, f"pages sent after the abort: {calls}"
     assert req.pd.progress.sent_pages == sent_at_abort
@@ -206,15 +215,15 @@ def test_abort_between_chunks_normal_loop(pd):
     pe = pd.prefills[NORMAL]
     leg = pd.submit(LONG, greedy(N), p=NORMAL)
     req = leg.prefill
-    pd.run(timeout=20, until=lambda: req.pd.progress.sent_pages >= 8)
+    pd.run(timeout=60, until=lambda: req.pd.progress.sent_pages >= 8)
     assert not req.prefill_done and req.pd.progress.inflight_middle_chunks == 0
     calls = _spy_sends(req)
     sent = req.pd.progress.sent_pages
     assert pe.abort(leg.rid)
-    elapsed = timed_run(pd, lambda: leg.decode.finished, FAST_S + 3)
-    assert_failed(leg.decode, "decode leg")
-    assert elapsed < FAST_S
-    pd.run(timeout=10)
+    elapsed = timed_run(pd, lambda: leg.decode.finished, WAIT_S)
+    assert_failed_by_abort(leg.decode, "decode leg")
+    assert elapsed < FAST_S, elapsed
+    pd.run(timeout=60)
     assert_failed(leg.prefill, "prefill leg")
     assert not calls and req.pd.progress.sent_pages == sent
     pd.assert_pools_full()
@@ -229,7 +238,7 @@ def test_abort_many_chunked_requests_at_different_points(pd, p):
     pe = pd.prefills[p]
     legs = [pd.submit(LONG[: 200 + 50 * i], greedy(N), p=p) for i in range(6)]
     calls = {}
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while len(calls) < len(legs):
         assert time.monotonic() < deadline, pd.dump()
         pd.step()
@@ -237,7 +246,7 @@ def test_abort_many_chunked_requests_at_different_points(pd, p):
             if leg.rid not in calls and leg.prefill.kv_len >= 64 * i:
                 calls[leg.rid] = _spy_sends(leg.prefill)
                 assert pe.abort(leg.rid), f"request {i} could not be aborted"
-    pd.run(timeout=20)
+    pd.run(timeout=60)
     for leg in legs:
         assert_failed(leg.prefill, "prefill leg")
         assert_failed(leg.decode, "decode leg")
@@ -261,17 +270,18 @@ def test_abort_decode_while_transferring(pd):
     gate = _hold_transfer_thread(pe)
     try:
         leg = pd.submit(LONG[:150], greedy(N), p=NORMAL)
-        pd.run(timeout=10, until=lambda: leg.prefill in pe.role.inflight)
+        pd.run(timeout=60, until=lambda: leg.prefill in pe.role.inflight)
         assert leg.decode in de.role.transferring
         assert leg.prefill.pd.sender.poll() == KVPoll.Transferring
         assert de.abort(leg.rid)
     finally:
         gate.set()
-    elapsed = timed_run(pd, lambda: done(pe, leg.prefill) and leg.decode.finished, FAST_S + 3)
-    assert elapsed < FAST_S
-    pd.run(timeout=10)
-    assert_failed(leg.decode, "decode leg")
+    elapsed = timed_run(pd, lambda: done(pe, leg.prefill) and leg.decode.finished, WAIT_S)
+    assert_failed_by_abort(leg.decode, "decode leg")
     assert leg.prefill.error, "prefill leg must report that its transfer was aborted"
+    assert not any(w in leg.prefill.error for w in ("timeout", "heartbeat")), leg.prefill.error
+    assert elapsed < FAST_S, elapsed
+    pd.run(timeout=60)
     pd.assert_pools_full()
     check_normal_request_still_works(pd, NORMAL)
 
@@ -283,12 +293,12 @@ def test_abort_prefill_while_transferring(pd):
     gate = _hold_transfer_thread(pe)
     try:
         leg = pd.submit(LONG[:150], greedy(N), p=NORMAL)
-        pd.run(timeout=10, until=lambda: leg.prefill in pe.role.inflight)
+        pd.run(timeout=60, until=lambda: leg.prefill in pe.role.inflight)
         assert leg.prefill.pd.sender.poll() == KVPoll.Transferring
         pe.abort(leg.rid)
     finally:
         gate.set()
-    pd.run(timeout=10)
+    pd.run(timeout=60)
     assert leg.prefill.error, "the aborted prefill leg finished without an error"
     assert_failed(leg.decode, "decode leg")
     pd.assert_pools_full()
@@ -300,11 +310,11 @@ def test_abort_prefill_while_transferring(pd):
 def test_abort_while_decoding(pd):
     de = pd.decodes[0]
     leg = pd.submit(SHORT, greedy(64))
-    pd.run(timeout=10, until=lambda: len(leg.decode.output_ids) >= 4)
+    pd.run(timeout=60, until=lambda: len(leg.decode.output_ids) >= 4)
     # the prefill leg has finished its part successfully (its KV arrived)
     assert leg.prefill.finish_reason == "length" and leg.prefill.error is None
     assert de.abort(leg.rid)
-    pd.run(timeout=10)
+    pd.run(timeout=60)
     assert_failed(leg.decode, "decode leg")
     assert leg.decode.finish_reason == "abort"
     assert leg.prefill.error is None

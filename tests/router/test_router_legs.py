@@ -11,15 +11,18 @@ import json
 
 import httpx
 import pytest
-from test_router_units import record
+from test_router_units import record, state
 
 from bootstrap.record import RegisteredNode
 from pdserve.http.errors import ApiError
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
+from pdserve.router.events import DONE
 from pdserve.router.flow import Flow
+from pdserve.router.legs import STALLED, LegError, Legs
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import is_decode_death
 from pdserve.router.nodes import NodeTable
 from pdserve.router.watcher import RegistryWatcher
 
@@ -196,3 +199,164 @@ def test_the_prefill_leg_names_the_decode_nodes_tp_size_when_it_differs():
     assert not [ev for ev in events if isinstance(ev, ApiError)], events
     assert bodies["prefill"]["decode_tp_size"] == 2
     assert "decode_tp_size" not in bodies["decode"]
+
+
+# -- stall detection (--stream-stall-timeout-s) --------------------------------------------
+class SilentStream(httpx.AsyncByteStream):
+    """A decode stream that sends one unfinished event, then nothing (a paused node).
+    `closed` is set when the router lets go of it."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def __aiter__(self):
+        partial = {**GOOD_EVENT, "meta_info": {**GOOD_EVENT["meta_info"], "finish_reason": None}}
+        yield f"data: {json.dumps(partial)}\n\n".encode()
+        await asyncio.sleep(3600)
+        yield b""  # never reached
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+async def _legs(handler, stall_s: float):
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    legs = Legs(http, state("p0"), state("d0", "decode"), {"input_ids": [1]},
+                lambda n, o: None, stall_s)
+    legs.start()
+    return legs, http
+
+
+def test_a_silent_decode_stream_is_a_decode_death_and_is_let_go():
+    """One event, then silence: the leg ends as the decode node's 503 `decode_stalled`
+    (which migrates), and the router closes the stream (the node aborts when it runs)."""
+    silent = SilentStream()
+
+    def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, stream=silent)
+
+    async def go():
+        legs, http = await _legs(handler, 0.3)
+        try:
+            first = await asyncio.wait_for(legs.next(), BOUND_S)
+            with pytest.raises(LegError) as info:
+                await asyncio.wait_for(legs.next(), BOUND_S)
+            await asyncio.wait_for(silent.closed.wait(), BOUND_S)
+            return first, info.value
+        finally:
+            legs.cancel()
+            await http.aclose()
+
+    first, err = asyncio.run(go())
+    assert first["output_ids"] == [5]
+    assert err.status == 503 and err.code == STALLED and err.outcome == "stalled"
+    assert err.node_fault and "sent nothing for 0.3s" in err.message
+    assert is_decode_death(err, "d0")
+
+
+def test_no_stall_timer_before_the_decode_node_answers_nor_when_off():
+    """A decode node that answers late (it waits for the prefill's KV) is not stalled;
+    with the timer off (0) a silent stream is simply waited for."""
+    async def late(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        await asyncio.sleep(1.0)  # > the stall timeout, before the 200
+        return httpx.Response(200, content=sse_body())
+
+    async def go_late():
+        legs, http = await _legs(late, 0.2)
+        try:
+            return [await asyncio.wait_for(legs.next(), BOUND_S) for _ in range(2)]
+        finally:
+            legs.cancel()
+            await http.aclose()
+
+    first, done = asyncio.run(go_late())
+    assert first["output_ids"] == [5] and done == DONE
+
+    silent = SilentStream()
+
+    def quiet(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, stream=silent)
+
+    async def go_off():
+        legs, http = await _legs(quiet, 0)
+        try:
+            await asyncio.wait_for(legs.next(), BOUND_S)
+            with pytest.raises(TimeoutError):  # nothing ends it: the timer is off
+                await asyncio.wait_for(legs.next(), 1.0)
+            return silent.closed.is_set()
+        finally:
+            legs.cancel()
+            await http.aclose()
+
+    assert asyncio.run(go_off()) is False
+
+
+def test_a_request_never_migrates_back_to_a_decode_node_it_left():
+    """Two decode nodes in turn go silent after one token; the request moves twice and
+    ends on the third node (a stalled node may wake up: it must not get the request back),
+    with all three tokens, two migrations counted."""
+    from transformers import AutoTokenizer
+
+    from pdserve.models.builtin import resolve_model
+    from pdserve.router.flow import Migration
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-llama", ""))
+    served: list[str] = []
+
+    def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        served.append(node_of(request))
+        token = 5 + len(served) - 1
+        event = {**GOOD_EVENT, "output_ids": [token], "text": "x",
+                 "meta_info": {**GOOD_EVENT["meta_info"],
+                               "finish_reason": "length" if len(served) == 3 else None}}
+        if len(served) == 3:
+            return httpx.Response(200, content=f"data: {json.dumps(event)}\n\n"
+                                               "data: [DONE]\n\n".encode())
+        return httpx.Response(200, stream=SilentAfter(event))
+
+    async def go():
+        cfg = RouterConfig(dispatch_attempts=3, request_timeout_s=120,
+                           stream_stall_timeout_s=0.3)
+        table = NodeTable(cfg, model="tiny-llama")
+        table.update([record("p0", "prefill")] +
+                     [record(n, "decode") for n in ("d0", "d1", "d2")])
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        watcher = RegistryWatcher(cfg, table, lambda: None)
+        metrics = RouterMetrics()
+        disp = Dispatcher(cfg, table, watcher, http, lambda n, o: None, metrics.retries.inc)
+        flow = Flow("r1", [1, 2, 3], {"max_new_tokens": 3, "temperature": 0},
+                    Admission(4, 4, 10), disp, metrics, 120, Migration(3, tok))
+        try:
+            await flow.start()
+            events = [ev async for ev in flow.events()]
+        finally:
+            flow.close()
+            await http.aclose()
+            watcher.close()
+        return events, metrics.migrations.labels("ok")._value.get()
+
+    events, migrated = asyncio.run(asyncio.wait_for(go(), BOUND_S))
+    assert not [e for e in events if isinstance(e, ApiError)], events
+    assert events[-1].output_ids == [5, 6, 7] and events[-1].finish_reason == "length"
+    assert len(set(served)) == 3, served  # d0, d1, d2 in some order, none twice
+    assert migrated == 2
+
+
+class SilentAfter(httpx.AsyncByteStream):
+    """One given event, then silence."""
+
+    def __init__(self, event: dict) -> None:
+        self.event = event
+
+    async def __aiter__(self):
+        yield f"data: {json.dumps(self.event)}\n\n".encode()
+        await asyncio.sleep(3600)
+        yield b""

@@ -242,7 +242,8 @@ def test_stream_events_become_deltas():
 # -- config and CLI -----------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--port", "0"], ["--registry", "nope"],
                                    ["--queue-timeout-s", "0"], ["--balance-rel-threshold", "0.5"],
-                                   ["--breaker-max-cooldown-s", "0.1"]])
+                                   ["--breaker-max-cooldown-s", "0.1"],
+                                   ["--stream-stall-timeout-s", "-1"]])
 def test_router_config_rejects_bad_flags(flags):
     args = build_parser().parse_args(["router", *flags])
     with pytest.raises(ValueError):

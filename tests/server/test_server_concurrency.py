@@ -23,7 +23,10 @@ def assert_aborted(server, before: int, closed_at: float, n: int = 1) -> None:
     server.wait_pools_full(timeout=90, open_requests=True)
     freed_after = time.monotonic() - closed_at
     generated = server.generated_tokens() - before
-    assert generated < n * LONG // 2 and freed_after < 8, (generated, freed_after)
+    # The verdict: stopped, not run to the end. Apart from it: freed promptly (seconds on a
+    # quiet machine; the bound is generous for a loaded one).
+    assert generated < n * LONG // 2, (generated, freed_after)
+    assert freed_after < 30, (generated, freed_after)
 
 
 def _prompts(n: int) -> list[str]:

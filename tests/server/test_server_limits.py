@@ -1,7 +1,7 @@
 """Flow control and limits, on a second node started with small limits: oversized body
 -> 413, full waiting queue -> 429, request timeout -> 408; the node keeps serving correct
 outputs afterwards with its pools full. Then schemathesis fuzzes this node's OpenAPI spec
-(the 1 s timeout keeps every generation cheap) and finds no 5xx. Last, its scheduler is
+(the short timeout keeps every generation cheap) and finds no 5xx. Last, its scheduler is
 killed: the open stream ends with an error, /health and requests say 503, and SIGTERM
 still shuts it down cleanly, leaving no process or IPC file behind.
 
@@ -27,10 +27,12 @@ import pytest
 from server_harness import MODEL, Server, assert_error, sse_events
 
 MAX_BODY = 4096
-TIMEOUT_S = 1.0
+# Long enough for a short request on a loaded 2-core machine, far below LONG's run time
+# (tiny-llama makes at most a few hundred tokens a second here).
+TIMEOUT_S = 2.5
 FLAGS = ["--max-queued-requests", "1", "--max-running-requests", "1",
          "--request-timeout-s", str(TIMEOUT_S), "--max-body-bytes", str(MAX_BODY)]
-LONG = 1500  # tokens: many seconds here, far beyond the 1 s request timeout
+LONG = 1900  # tokens: many seconds here, far beyond the request timeout
 SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or \
     shutil.which("schemathesis")
 
@@ -48,8 +50,11 @@ def still_correct(node: Server, offline, prompt: str = "Are you still there?") -
     """The node is idle with full pools, and serves a greedy request exactly."""
     node.wait_pools_full()
     ref = offline.greedy(prompt, 8)
-    r = httpx.post(f"{node.url}/v1/completions", timeout=30, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    for _ in range(3):  # a machine loaded enough to take 8 tokens past the timeout: again
+        r = httpx.post(f"{node.url}/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        if r.status_code != 408:
+            break
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == ref.text
     node.wait_pools_full(open_requests=True)
@@ -84,10 +89,14 @@ def test_oversized_chunked_body_is_413(node):
 
 
 def test_body_just_under_the_limit_is_served(node):
-    text = "z " * ((MAX_BODY - 200) // 2)
-    body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    assert len(json.dumps(body)) < MAX_BODY
-    r = httpx.post(f"{node.url}/generate", json=body, timeout=30)
+    # Padded with JSON whitespace: a body of nearly MAX_BODY bytes whose prompt is short, so
+    # that its prefill stays far within the request timeout on a loaded machine.
+    body = json.dumps({"text": "z " * 100, "sampling_params": {"max_new_tokens": 2,
+                                                                 "temperature": 0}})
+    content = (body + " " * (MAX_BODY - 8 - len(body))).encode()
+    assert MAX_BODY - 16 < len(content) < MAX_BODY
+    r = httpx.post(f"{node.url}/generate", content=content, timeout=30,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
 
 
@@ -129,7 +138,7 @@ def test_full_queue_is_429_with_a_message(node, offline):
             assert_error(r, 429, "queue")
         elif r.status_code == 408:  # admitted, timed out before its first token
             assert_error(r, 408, "timed out")
-        else:  # a stream cut by the 1 s timeout: the error in-band, then [DONE]
+        else:  # a stream cut by the timeout: the error in-band, then [DONE]
             assert stream
             events = sse_events(r.text.splitlines())
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
@@ -151,9 +160,10 @@ def test_request_timeout_is_408(node, path):
     r = httpx.post(node.url + path, json=body, timeout=60)
     elapsed = time.monotonic() - t0
     assert_error(r, 408, "timed out")
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5
-    node.wait_pools_full()  # the timed-out request was aborted, not left running
-    assert node.generated_tokens() - before < LONG // 2
+    assert elapsed >= TIMEOUT_S  # not before the timeout ...
+    assert elapsed < TIMEOUT_S + 20, elapsed  # ... and soon after it (generous: loaded CI)
+    node.wait_pools_full()  # the timed-out request was aborted, not left running to its end
+    assert node.generated_tokens() - before < LONG
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
@@ -169,7 +179,8 @@ def test_streaming_timeout_ends_the_stream_with_an_error(node, path):
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
     assert err["code"] == "timeout" and "timed out" in err["message"]
-    assert len(events) > 3  # tokens were streamed before the timeout
+    # Tokens were streamed before the timeout (the 200 comes with the first of them).
+    assert len(events) >= 3 and "error" not in events[0], events[:3]
     node.wait_pools_full()
 
 
@@ -188,6 +199,8 @@ def test_reusing_the_rid_of_a_timed_out_request_is_never_a_5xx(node):
         if new.status_code == 200:
             assert new.json()["meta_info"]["completion_tokens"] == 2
             assert new.json()["meta_info"]["id"] == rid
+        elif new.status_code == 408:  # its own timeout (a loaded machine), not the old abort
+            assert_error(new, 408, "timed out")
         else:
             assert_error(new, 400, "duplicate")
     node.wait_pools_full()
@@ -291,19 +304,19 @@ def test_scheduler_death_ends_open_streams_and_turns_health_503(node):
 
     t = threading.Thread(target=stream)
     t.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while len(lines) < 2:
         assert time.monotonic() < deadline and not errors, ("no stream", errors)
         time.sleep(0.01)
     os.kill(node.scheduler_pid(), signal.SIGKILL)
-    t.join(20)
+    t.join(60)
     assert not t.is_alive(), "the open stream hangs after the scheduler died"
     assert not errors, errors
     events = sse_events(lines)
     assert events[-1] == "[DONE]"  # ended properly, with the error in-band
     assert "error" in events[-2] and events[-2]["error"]["message"], events[-2]
 
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while httpx.get(f"{node.url}/health", timeout=10).status_code != 503:
         assert time.monotonic() < deadline, "/health still 200 with the scheduler dead"
         time.sleep(0.1)
@@ -324,10 +337,10 @@ def test_sigterm_exits_cleanly_even_without_scheduler(node):
     runtime send): the node exits promptly with 0, leaving no process and no IPC file."""
     log_before = node.log()
     t0 = time.monotonic()
-    rc = node.terminate(timeout=40, group=True)
+    rc = node.terminate(timeout=90, group=True)
     took = time.monotonic() - t0
     problems = node.exit_problems(rc, log_before=log_before)
     assert not problems, "\n".join(problems)
-    assert took < 20
+    assert took < 30, took  # promptly: well before the 90 s the test would wait
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{node.url}/health", timeout=5)
