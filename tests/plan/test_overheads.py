@@ -86,3 +86,12 @@ def test_a_disturbed_engine_profile_is_brought_down_to_the_served_times():
     assert fine["decode_scale"] == fine["prefill_scale"] == 1.0
     assert fine["step_overhead_s"] == pytest.approx(0.001)
     assert fine["request_overhead_s"] == pytest.approx(0.080 - 0.074 - 0.001)
+
+
+def test_a_slow_served_token_does_not_zero_the_prefill_model():
+    # seen under load: the served TPOT (30 ms) was slower than the served TTFT (8 ms); the
+    # extend model (74 ms) comes down to the TTFT, not to TTFT - step overhead (< 0)
+    got = overheads(round_profile(), 64, 32, (0.008, 0.030), None)
+    assert got["prefill_scale"] == pytest.approx(0.008 / 0.074)
+    assert got["step_overhead_s"] == pytest.approx(0.010)
+    assert got["request_overhead_s"] == 0.0
