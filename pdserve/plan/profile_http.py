@@ -11,10 +11,9 @@ most of a short request's TTFT (median of 20 single requests at load ~2; ~20 ms 
   (which sees it at its next 2 ms poll), the commit at the decode node's next poll, and
   every token through the decode node's HTTP process, the router and back to the client;
   on a machine whose cores the forward fills, that per-token work also slows each step.
-Each path gets streaming requests one at a time (TTFT: best of 8, noise only adds; TPOT:
-median of 8, see `_best`), timed from the SSE lines as `pdserve bench` times them. What the
-fitted step and transfer models do not explain becomes the overheads
-(docs/architecture.md: Capacity planning):
+Each path gets 8 streaming requests one at a time, timed from the SSE lines as `pdserve
+bench` times them; the medians (`_typical`) less what the fitted step and transfer models
+explain become the overheads (docs/architecture.md: Capacity planning):
 - `step_overhead_s` / `pd_step_overhead_s`: TPOT minus the profiled decode step
   (colocated node / decode node of the PD stack);
 - `request_overhead_s`: colocated TTFT minus one extend step (with its step overhead);
@@ -70,14 +69,17 @@ def _stream(client: httpx.Client, url: str, ids: list[int], new: int) -> tuple[f
     return times[0] - t0, (times[-1] - times[0]) / (len(times) - 1)
 
 
-def _best(client: httpx.Client, url: str, ids: list[int], new: int,
-          reps: int) -> tuple[float, float]:
-    """Least TTFT and median TPOT over `reps` requests (after one warm-up). Not the least
-    TPOT: the router and the HTTP process sometimes pass a late first token and the next
-    ones together, which shortens that stream's TPOT below any decode step."""
+def _typical(client: httpx.Client, url: str, ids: list[int], new: int,
+             reps: int) -> tuple[float, float, list[float]]:
+    """Median TTFT and TPOT over `reps` requests (after one warm-up), and every TTFT.
+    Not the least: the path's own jitter (2 ms polls on both nodes, three event loops)
+    is part of every request, so the best of 8 PD TTFTs was half the bench's p50 on a
+    quiet machine; and the router sometimes passes a late first token with the next
+    ones, which shortens that stream's TPOT below any decode step."""
     _stream(client, url, ids, new)
     runs = [_stream(client, url, ids, new) for _ in range(reps)]
-    return min(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+            sorted(r[0] for r in runs))
 
 
 def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -99,7 +101,7 @@ def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: fl
 
 
 def _measure(cmd: list[str], port: int, ids: list[int], new: int, reps: int,
-             timeout_s: float) -> tuple[float, float]:
+             timeout_s: float) -> tuple[float, float, list[float]]:
     """Start `cmd` (serving on `port`), time the path, stop it and its children."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -107,7 +109,7 @@ def _measure(cmd: list[str], port: int, ids: list[int], new: int, reps: int,
     try:
         with httpx.Client(timeout=60) as client:
             _ready(client, proc, url, timeout_s)
-            return _best(client, url, ids, new, reps)
+            return _typical(client, url, ids, new, reps)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -117,10 +119,11 @@ def _measure(cmd: list[str], port: int, ids: list[int], new: int, reps: int,
             proc.wait()
 
 
-def overheads(prof, prompt: int, new: int, colocated: tuple[float, float],
-              pd: tuple[float, float] | None) -> dict:
+def overheads(prof, prompt: int, new: int, colocated: tuple,
+              pd: tuple | None) -> dict:
     """The overheads from measured (TTFT, TPOT) pairs and the profile's step models
-    (`prof`'s own overhead fields are ignored: they are what this computes).
+    (`prof`'s own overhead fields are ignored: they are what this computes). A third
+    item, the measured TTFTs, gives the jitters: each less the median TTFT.
 
     Noise only adds time, and a served request contains the steps the engine profile
     timed: a TPOT below the modelled decode step (a TTFT below the modelled extend step)
@@ -143,13 +146,18 @@ def overheads(prof, prompt: int, new: int, colocated: tuple[float, float],
     out = {"request_overhead_s": max(0.0, colocated[0] - extend - step), "step_overhead_s": step,
            "colocated_ttft_s": colocated[0], "colocated_tpot_s": colocated[1],
            "prompt": prompt, "new_tokens": new, "decode_scale": dscale,
-           "prefill_scale": pscale}
+           "prefill_scale": pscale, "request_jitter_s": _jitter(colocated)}
     if pd is not None:
         path = prof.transfer_latency_s + extend + step + prof.transfer_s(prompt)
         out.update(pd_request_overhead_s=max(0.0, pd[0] - path),
                    pd_step_overhead_s=max(0.0, pd[1] - decode),
-                   pd_ttft_s=pd[0], pd_tpot_s=pd[1])
+                   pd_ttft_s=pd[0], pd_tpot_s=pd[1], pd_request_jitter_s=_jitter(pd))
     return out
+
+
+def _jitter(measured: tuple) -> list[float]:
+    """The measured TTFTs less their median ([] when only the medians were given)."""
+    return [t - measured[0] for t in measured[2]] if len(measured) > 2 else []
 
 
 def measure_overheads(cfg: EngineConfig, prof, backend: str = "tcp", pd: bool = True,

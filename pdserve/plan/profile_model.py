@@ -16,6 +16,7 @@ A coefficient that comes out negative (noise on a flat curve) is dropped and the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,10 @@ class Profile:
     # router hop, both legs, bootstrap handshake, commit poll, tokens streamed via the router
     pd_request_overhead_s: float | None = None
     pd_step_overhead_s: float | None = None  # per decode step of a PD decode node
+    # measured TTFTs less their median (the path's own jitter: polls, event loops); each
+    # simulated request draws one, so a single request's TTFT spread shows in p90
+    request_jitter_s: list[float] = field(default_factory=list)
+    pd_request_jitter_s: list[float] = field(default_factory=list)
     # step slowdown with k = 0, 1, ... other runnable threads on the node's machine
     # (profile_contention.py); [1.0]: not measured (the simulator shares cores linearly)
     contention: list[float] = field(default_factory=lambda: [1.0])
@@ -88,6 +93,18 @@ class Profile:
         """Fixed cost a request adds to TTFT (and E2E) on a PD stack (`pd`) or a node."""
         return self.pd_request_overhead_s if pd and self.pd_request_overhead_s is not None \
             else self.request_overhead_s
+
+    def request_overheads(self, pd: bool, n: int, seed: int) -> np.ndarray:
+        """What each of `n` requests adds to TTFT: the overhead plus a jitter drawn from the
+        measured ones (none measured: the overhead alone), never below 0. The draws depend
+        on `seed` only, so both simulators give a request the same one."""
+        over = self.request_overhead(pd)
+        jit = self.pd_request_jitter_s if pd and self.pd_request_overhead_s is not None \
+            else self.request_jitter_s
+        if not jit:
+            return np.full(n, over)
+        draw = np.random.default_rng([seed, 0x6A17]).integers(0, len(jit), size=n)
+        return np.maximum(0.0, over + np.asarray(jit)[draw])
 
     def slowdown(self, extra_threads: float) -> float | None:
         """Step time with `extra_threads` other runnable threads on the machine over the
@@ -133,6 +150,9 @@ class Profile:
     def check(self) -> None:
         if len(self.prefill_coef) != 3 or len(self.decode_coef) != 3:
             raise ProfileError("profile: prefill_coef and decode_coef need 3 numbers each")
+        jit = [*self.request_jitter_s, *self.pd_request_jitter_s]
+        if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in jit):
+            raise ProfileError("profile: request jitters must be finite numbers")
         nums = [*self.prefill_coef, *self.decode_coef, self.transfer_latency_s,
                 self.request_overhead_s, self.step_overhead_s, self.background_load,
                 *(v for v in (self.pd_request_overhead_s, self.pd_step_overhead_s)

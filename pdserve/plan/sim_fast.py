@@ -69,7 +69,7 @@ class FastSimulator:
         if prealloc not in ("shift", "rerun", "none"):
             raise ValueError(f"prealloc must be shift, rerun or none, not {prealloc!r}")
         self.prof, self.c = prof, cluster
-        self.rng = np.random.default_rng(seed)
+        self.rng, self.seed = np.random.default_rng(seed), seed
         self.segment_s, self.warmup_s, self.group = segment_s, warmup_s, max(1, group)
         self.prealloc = prealloc
         self.workers = workers  # processes for the segment groups (0: one per core)
@@ -182,7 +182,7 @@ class FastSimulator:
 
     def _result(self, wl: Workload, first: np.ndarray, end: np.ndarray,
                 wall: float) -> SimResult:
-        over = self.prof.request_overhead(True)
+        over = self.prof.request_overheads(True, len(wl), self.seed)
         ttft = first - wl.arrival + over
         e2e = end - wl.arrival + over
         with np.errstate(invalid="ignore", divide="ignore"):

@@ -95,3 +95,25 @@ def test_a_slow_served_token_does_not_zero_the_prefill_model():
     assert got["prefill_scale"] == pytest.approx(0.008 / 0.074)
     assert got["step_overhead_s"] == pytest.approx(0.010)
     assert got["request_overhead_s"] == 0.0
+
+
+def test_each_request_draws_a_measured_jitter_the_same_in_both_simulators():
+    # isolated requests: TTFT = 151 ms (as above) + one of the measured jitters
+    prof = round_profile(**OVER, pd_request_jitter_s=[-0.002, 0.0, 0.010])
+    n = 40
+    work = Workload(np.arange(n) * 1.0, np.full(n, 100), np.full(n, 5))
+    ref = Simulator(prof, ClusterSpec(prefill=1, decode=1), seed=3).run(work)
+    fast = FastSimulator(prof, ClusterSpec(prefill=1, decode=1), seed=3).run(work)
+    assert set(np.round(ref.ttft * 1e3, 6)) == {149.0, 151.0, 161.0}
+    np.testing.assert_allclose(fast.ttft, ref.ttft)
+    np.testing.assert_allclose(ref.e2e - ref.ttft, 4 * 0.024)  # TPOT keeps no jitter
+    # the colocated path draws from its own list (none here: no spread)
+    co = Simulator(prof, ClusterSpec(colocated=1), seed=3).run(work)
+    assert np.allclose(co.ttft, 0.113)
+
+
+def test_jitters_are_the_measured_ttfts_less_their_median():
+    got = overheads(round_profile(), 64, 32, (0.080, 0.021, [0.079, 0.080, 0.095]),
+                    (0.100, 0.025, [0.090, 0.100, 0.130]))
+    assert got["request_jitter_s"] == pytest.approx([-0.001, 0.0, 0.015])
+    assert got["pd_request_jitter_s"] == pytest.approx([-0.010, 0.0, 0.030])

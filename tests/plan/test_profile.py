@@ -35,6 +35,7 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert prof.pd_request_overhead_s is not None and prof.pd_request_overhead_s > 0
     assert prof.pd_step_overhead_s is not None and prof.pd_step_overhead_s >= 0
     assert 0 < serving["decode_scale"] <= 1 and 0 <= serving["prefill_scale"] <= 1
+    assert len(prof.request_jitter_s) == len(prof.pd_request_jitter_s) == 8
     path = tmp_path / "p.json"
     prof.save(path)
     assert Profile.load(path) == prof
