@@ -112,6 +112,11 @@ def rel(pred: float, meas: float | None) -> float | None:
     return abs(pred - meas) / meas if meas else None
 
 
+def signed(pred: float, meas: float | None) -> float | None:
+    """(pred - meas) / meas: < 0 when the prediction is low (a missing cost shows here)."""
+    return (pred - meas) / meas if meas else None
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
@@ -151,27 +156,37 @@ def main() -> None:
                                  "measured_ms": meas[key], "rel_err_quiet": rel(quiet[key],
                                                                                meas[key]),
                                  "rel_err": rel(loaded[key], meas[key]),
+                                 "signed_err": signed(loaded[key], meas[key]),
                                  "load": round(measured["load"], 2),
                                  "runnable": round(measured["runnable"], 2),
                                  "failed": meas["failed"]})
     print_table(rows, ["shape", "rate", "metric", "pred_quiet_ms", "pred_loaded_ms",
-                       "measured_ms", "rel_err_quiet", "rel_err", "load", "runnable", "failed"])
+                       "measured_ms", "rel_err_quiet", "rel_err", "signed_err", "load",
+                       "runnable", "failed"])
     errs = [r["rel_err"] for r in rows if r["rel_err"] is not None]
     errs_quiet = [r["rel_err_quiet"] for r in rows if r["rel_err_quiet"] is not None]
     by_metric = {k: round(statistics.median([r["rel_err"] for r in rows if r["metric"] == k
                                              and r["rel_err"] is not None]), 3)
                  for k in {r["metric"] for r in rows}}
+    signed_by_metric = {k: round(statistics.median([
+        r["signed_err"] for r in rows if r["metric"] == k and r["signed_err"] is not None]), 3)
+        for k in {r["metric"] for r in rows}}
     sc, _ = scale_measure(args.scale_seconds, min(3.0, args.scale_seconds))
     print("scale:", sc)
     summary = {"median_rel_err": round(statistics.median(errs), 3),
                "median_rel_err_without_background_load": round(
                    statistics.median(errs_quiet), 3),
                "median_rel_err_by_metric": by_metric, "goal_median_rel_err": 0.25,
+               "median_signed_err": round(statistics.median(
+                   [r["signed_err"] for r in rows if r["signed_err"] is not None]), 3),
+               "median_signed_err_by_metric": signed_by_metric,
                "profile": {"prefill_coef": prof.prefill_coef, "decode_coef": prof.decode_coef,
                            "contention": prof.contention,
                            "background_load": prof.background_load,
                            "request_overhead_s": prof.request_overhead_s,
                            "step_overhead_s": prof.step_overhead_s,
+                           "pd_request_overhead_s": prof.pd_request_overhead_s,
+                           "pd_step_overhead_s": prof.pd_step_overhead_s,
                            "transfer_gbps": prof.transfer_gbps},
                "scale": sc, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                "profile_loadavg": prof.points["loadavg"],

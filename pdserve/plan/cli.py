@@ -37,6 +37,7 @@ PLAN_HELP = {
     "out": "write the ranked shapes and the verdict as JSON (top-level `summary`)",
     "top": "rows of the printed table",
     "seed": "seed of arrivals, lengths and router ties",
+    "sim_workers": "processes of the fast simulator (long PD workloads; 0: one per core)",
 }
 
 
@@ -93,7 +94,11 @@ def run_profile(args: argparse.Namespace) -> int:
           f"{prof.transfer_gbps:.2f} GB/s; KV pool {prof.kv_pool_tokens} tokens "
           f"({prof.kv_bytes_per_token} B/token)")
     print(f"serving      = {1e3 * prof.request_overhead_s:.2f} ms per request + "
-          f"{1e3 * prof.step_overhead_s:.2f} ms per step")
+          f"{1e3 * prof.step_overhead_s:.2f} ms per step (colocated node)")
+    if prof.pd_request_overhead_s is not None:
+        print(f"serving (PD) = {1e3 * prof.pd_request_overhead_s:.2f} ms per request + "
+              f"{1e3 * (prof.pd_step_overhead_s or 0.0):.2f} ms per decode step "
+              "(1P1D stack behind the router)")
     print(f"wrote {cfg.out}")
     return 0
 

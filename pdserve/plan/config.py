@@ -45,6 +45,7 @@ class PlanConfig:
     out: str = ""
     top: int = 10
     seed: int = 0
+    sim_workers: int = 0  # processes of the fast simulator (0: one per core)
 
     def __post_init__(self) -> None:
         if self.trace and self.rate < 0 or not self.trace and not self.rate > 0:
@@ -57,8 +58,8 @@ class PlanConfig:
                                        self.background_load) < 0:
             raise ValueError("--burstiness must be > 0; --machine-cores, --node-threads, "
                              "--background-load >= 0")
-        if self.page_size < 0:
-            raise ValueError("--page-size must be >= 0")
+        if self.page_size < 0 or self.sim_workers < 0:
+            raise ValueError("--page-size and --sim-workers must be >= 0")
         if self.transfer_backend not in ("", "tcp", "mooncake"):
             raise ValueError("--transfer-backend must be tcp or mooncake")
         self.costs()

@@ -54,7 +54,8 @@ def execute(cfg: PlanConfig, job: Job) -> dict:
     print(f"workload: {len(wl)} requests at {wl.rate:.3g} req/s, prompt mean "
           f"{wl.isl.mean():.0f}, output mean {wl.osl.mean():.0f} tokens; profile "
           f"{job.prof.model} (page {job.prof.page_size})")
-    results = search(job.prof, wl, job.slos, cfg.max_nodes, job.costs, job.base, cfg.seed)
+    results = search(job.prof, wl, job.slos, cfg.max_nodes, job.costs, job.base, cfg.seed,
+                     workers=cfg.sim_workers)
     rows = [o.row() for o in results]
     _print_table(rows[: cfg.top])
     text = verdict(results, job.slos)
@@ -112,7 +113,7 @@ def _plot(cfg: PlanConfig, job: Job, results: list[Outcome]) -> None:
         pts = []
         for f in PLOT_RATES:
             wl = workload_at(cfg, rate * f)
-            res = simulator_for(job.prof, o.cluster, wl, cfg.seed).run(wl)
+            res = simulator_for(job.prof, o.cluster, wl, cfg.seed, cfg.sim_workers).run(wl)
             pts.append((wl.rate, evaluate(res, wl, o.cluster, o.cost, job.slos).attainment))
         curves[o.cluster.label()] = pts
     attainment_plot(cfg.plot, curves, rate, f"{job.prof.model}: SLO {' '.join(cfg.slo)}")

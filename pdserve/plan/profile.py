@@ -161,9 +161,16 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
     if serving:
         from pdserve.plan.profile_http import measure_overheads
 
-        log("  serving overheads through a real `pdserve serve` node")
-        over = measure_overheads(cfg, prof)
+        log("  serving overheads through a real `pdserve serve` node and a 1P1D stack")
+        over = measure_overheads(cfg, prof, backend)
+        # served steps faster than the engine profile's: it was disturbed (profile_http.py)
+        prof.prefill_coef = [c * over["prefill_scale"] for c in prof.prefill_coef]
+        prof.decode_coef = [c * over["decode_scale"] for c in prof.decode_coef]
         prof.request_overhead_s = over["request_overhead_s"]
         prof.step_overhead_s = over["step_overhead_s"]
+        prof.pd_request_overhead_s = over.get("pd_request_overhead_s")
+        prof.pd_step_overhead_s = over.get("pd_step_overhead_s")
+        prof.request_jitter_s = over["request_jitter_s"]
+        prof.pd_request_jitter_s = over.get("pd_request_jitter_s", [])
         prof.points["serving"] = over
     return prof

@@ -1,10 +1,24 @@
-"""The serving path's own cost, measured through a real `pdserve serve` node.
+"""The serving path's own cost, measured through real processes the way clients see it.
 
-A node adds work the in-process engine profile does not see: HTTP, tokenizer-free request
-validation, the ZMQ hop to the scheduler process, per-step token emission and
-detokenization. Two request kinds, sent one at a time (best of `reps`, noise only adds):
-- 1 output token: latency = request overhead + one extend step;
-- 1 + n output tokens: n more decode steps, each = profiled decode step + step overhead.
+The in-process engine profile sees only `Engine.step()`. A served request also pays, and
+`bench/plan_accuracy.py`'s stage trace of a 1P1D stack on tiny-llama showed these to be
+most of a short request's TTFT (median of 20 single requests at load ~2; ~20 ms of the
+~29 ms minimum TTFT were not compute):
+- colocated node: HTTP in, the ZMQ hop to the scheduler process, and per emitted token
+  the scheduler loop's emit, detokenization and an SSE line;
+- PD stack (router + 1 prefill + 1 decode): the router's HTTP in and its two legs, the
+  decode leg's registry lookup, pre-allocation and the control message to the prefill
+  (which sees it at its next 2 ms poll), the commit at the decode node's next poll, and
+  every token through the decode node's HTTP process, the router and back to the client;
+  on a machine whose cores the forward fills, that per-token work also slows each step.
+Each path gets 8 streaming requests one at a time, timed from the SSE lines as `pdserve
+bench` times them; the medians (`_typical`) less what the fitted step and transfer models
+explain become the overheads (docs/architecture.md: Capacity planning):
+- `step_overhead_s` / `pd_step_overhead_s`: TPOT minus the profiled decode step
+  (colocated node / decode node of the PD stack);
+- `request_overhead_s`: colocated TTFT minus one extend step (with its step overhead);
+- `pd_request_overhead_s`: PD TTFT minus the simulator's own path for an idle stack
+  (handshake + extend step + KV transfer of the prompt).
 """
 
 from __future__ import annotations
@@ -12,8 +26,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -27,8 +43,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine_flags(cfg: EngineConfig) -> list[str]:
-    keys = ("model", "dtype", "page_size", "max_running_requests", "kv_cache_mb",
+def _engine_flags(cfg: EngineConfig, model: bool = True) -> list[str]:
+    keys = ("model",) * model + ("dtype", "page_size", "max_running_requests", "kv_cache_mb",
             "max_total_tokens", "chunked_prefill_size", "max_prefill_tokens", "loop",
             "decode_reserve_tokens")
     out = []
@@ -37,45 +53,63 @@ def _engine_flags(cfg: EngineConfig) -> list[str]:
     return out
 
 
-def _best(client: httpx.Client, url: str, ids: list[int], new: int, reps: int) -> float:
-    best = float("inf")
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0.0,
-                                                  "ignore_eos": True}}
-    for _ in range(reps + 1):  # the first one warms up
-        t0 = time.perf_counter()
-        r = client.post(f"{url}/generate", json=body)
-        dt = time.perf_counter() - t0
+def _stream(client: httpx.Client, url: str, ids: list[int], new: int) -> tuple[float, float]:
+    """(TTFT, TPOT) of one streaming `/generate` request, from its SSE data lines."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {
+        "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    with client.stream("POST", f"{url}/generate", json=body) as r:
         r.raise_for_status()
-        best = min(best, dt)
-    return best
+        for line in r.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"{url}: a {new}-token stream gave {len(times)} events")
+    return times[0] - t0, (times[-1] - times[0]) / (len(times) - 1)
 
 
-def measure_overheads(cfg: EngineConfig, prof, prompt: int = 32, new: int = 32,
-                      reps: int = 5, timeout_s: float = 300) -> dict:
-    """Start a node, time the two request kinds, stop it; returns both overheads (s)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", *_engine_flags(cfg),
-           "--port", str(port)]
+def _typical(client: httpx.Client, url: str, ids: list[int], new: int,
+             reps: int) -> tuple[float, float, list[float]]:
+    """Median TTFT and TPOT over `reps` requests (after one warm-up), and every TTFT.
+    Not the least: the path's own jitter (2 ms polls on both nodes, three event loops)
+    is part of every request, so the best of 8 PD TTFTs was half the bench's p50 on a
+    quiet machine; and the router sometimes passes a late first token with the next
+    ones, which shortens that stream's TPOT below any decode step."""
+    _stream(client, url, ids, new)
+    runs = [_stream(client, url, ids, new) for _ in range(reps)]
+    return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+            sorted(r[0] for r in runs))
+
+
+def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Ready = a real request round-trips (a router is up before its nodes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`{' '.join(proc.args[2:4])}` exited while starting")
+        try:
+            r = client.post(f"{url}/generate", json={
+                "input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 2}})
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"`{' '.join(proc.args[2:4])}` did not become ready")
+        time.sleep(0.5)
+
+
+def _measure(cmd: list[str], port: int, ids: list[int], new: int, reps: int,
+             timeout_s: float) -> tuple[float, float, list[float]]:
+    """Start `cmd` (serving on `port`), time the path, stop it and its children."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(timeout=60) as client:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError("`pdserve serve` exited while starting")
-                try:
-                    if client.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("`pdserve serve` did not become healthy")
-                time.sleep(0.5)
-            ids = [100 + i for i in range(prompt)]
-            one = _best(client, url, ids, 1, reps)
-            many = _best(client, url, ids, 1 + new, reps)
+            _ready(client, proc, url, timeout_s)
+            return _typical(client, url, ids, new, reps)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -83,9 +117,67 @@ def measure_overheads(cfg: EngineConfig, prof, prompt: int = 32, new: int = 32,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    request = max(0.0, one - prof.extend_s(prompt, prompt * prompt))
-    per_step = (many - one) / new
-    ctx = prompt * new + new * (new + 1) / 2
-    step = max(0.0, per_step - prof.decode_s(1, ctx / new))
-    return {"request_overhead_s": request, "step_overhead_s": step,
-            "one_token_s": one, "tokens_s": many}
+
+
+def overheads(prof, prompt: int, new: int, colocated: tuple,
+              pd: tuple | None) -> dict:
+    """The overheads from measured (TTFT, TPOT) pairs and the profile's step models
+    (`prof`'s own overhead fields are ignored: they are what this computes). A third
+    item, the measured TTFTs, gives the jitters: each less the median TTFT.
+
+    Noise only adds time, and a served request contains the steps the engine profile
+    timed: a TPOT below the modelled decode step (a TTFT below the modelled extend step)
+    means the engine profile ran while other processes held the cores. Then
+    `decode_scale` (`prefill_scale`) < 1 is the factor that brings the model down to the
+    served time (the caller scales the coefficients), and that overhead is 0."""
+    ctx = prompt + (new - 2) / 2  # mean context of the decode steps, as the simulator counts
+    p0, p1, p2 = prof.prefill_coef
+    extend = p0 + p1 * prompt + p2 * prompt * prompt / 1e6
+    d0, d1, d2 = prof.decode_coef
+    decode = d0 + d1 + d2 * ctx / 1e3
+    tpot = min(colocated[1], pd[1]) if pd is not None else colocated[1]
+    dscale = min(1.0, tpot / decode) if decode > 0 else 1.0
+    decode *= dscale
+    step = max(0.0, colocated[1] - decode)
+    # the TTFT alone bounds the extend step (not less its step overhead: that is measured
+    # on other requests, so it is no firmer a bound, and could drive the model to 0)
+    pscale = min(1.0, colocated[0] / extend) if extend > 0 else 1.0
+    extend *= pscale
+    out = {"request_overhead_s": max(0.0, colocated[0] - extend - step), "step_overhead_s": step,
+           "colocated_ttft_s": colocated[0], "colocated_tpot_s": colocated[1],
+           "prompt": prompt, "new_tokens": new, "decode_scale": dscale,
+           "prefill_scale": pscale, "request_jitter_s": _jitter(colocated)}
+    if pd is not None:
+        path = prof.transfer_latency_s + extend + step + prof.transfer_s(prompt)
+        out.update(pd_request_overhead_s=max(0.0, pd[0] - path),
+                   pd_step_overhead_s=max(0.0, pd[1] - decode),
+                   pd_ttft_s=pd[0], pd_tpot_s=pd[1], pd_request_jitter_s=_jitter(pd))
+    return out
+
+
+def _jitter(measured: tuple) -> list[float]:
+    """The measured TTFTs less their median ([] when only the medians were given)."""
+    return [t - measured[0] for t in measured[2]] if len(measured) > 2 else []
+
+
+def measure_overheads(cfg: EngineConfig, prof, backend: str = "tcp", pd: bool = True,
+                      prompt: int = 64, new: int = 32, reps: int = 8,
+                      timeout_s: float = 300) -> dict:
+    """Colocated node (`pdserve serve`), then with `pd` a 1P1D stack (`pdserve up`): both
+    timed with streaming requests; returns `overheads(...)` (seconds)."""
+    ids = [100 + i for i in range(prompt)]
+    flags = _engine_flags(cfg)
+    base = [sys.executable, "-m", "pdserve.cli"]
+    port = _free_port()
+    colo = _measure([*base, "serve", *flags, "--port", str(port)], port, ids, new, reps,
+                    timeout_s)
+    stack = None
+    if pd:
+        port = _free_port()
+        with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as logs:
+            cmd = [*base, "up", "--model", cfg.model, "--prefill", "1", "--decode", "1",
+                   "--port", str(port), "--registry-port", "0", "--transfer-backend",
+                   backend, "--log-dir", logs, "--node-args",
+                   " ".join(_engine_flags(cfg, model=False))]
+            stack = _measure(cmd, port, ids, new, reps, timeout_s)
+    return overheads(prof, prompt, new, colo, stack)

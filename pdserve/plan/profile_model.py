@@ -1,8 +1,10 @@
 """The profile of one node: measured points, the cost models fitted to them, and the JSON file.
 
-Cost models (seconds; each step also pays `step_overhead_s`, the serving loop's own cost
-measured through a real node by `profile_http.py`), all fitted by least squares on the
-points `pdserve profile` measured with the real engine (docs/architecture.md: Capacity planning):
+Cost models (seconds; each step also pays the serving path's per-step cost and each
+request its fixed cost, both measured through real processes by `profile_http.py`: a
+colocated node's, and a PD stack's for decode steps and PD requests), all fitted by least
+squares on the points `pdserve profile` measured with the real engine
+(docs/architecture.md: Capacity planning):
 - extend (prefill) step: `p0 + p1 * tokens + p2 * attn`, where `tokens` is the batch's new
   tokens and `attn = sum(q_len * kv_len) / 1e6` over its rows (the attention term that makes
   later chunks of a long prompt dearer than the first);
@@ -14,6 +16,7 @@ A coefficient that comes out negative (noise on a flat curve) is dropped and the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +59,14 @@ class Profile:
     transfer_gbps: float  # bytes / s / 1e9
     request_overhead_s: float = 0.0  # a node's HTTP path, added to TTFT (0: not measured)
     step_overhead_s: float = 0.0  # a node's per-step serving cost (token emission, detok)
+    # the same through a 1P1D stack behind the router (None: not measured, use the above):
+    # router hop, both legs, bootstrap handshake, commit poll, tokens streamed via the router
+    pd_request_overhead_s: float | None = None
+    pd_step_overhead_s: float | None = None  # per decode step of a PD decode node
+    # measured TTFTs less their median (the path's own jitter: polls, event loops); each
+    # simulated request draws one, so a single request's TTFT spread shows in p90
+    request_jitter_s: list[float] = field(default_factory=list)
+    pd_request_jitter_s: list[float] = field(default_factory=list)
     # step slowdown with k = 0, 1, ... other runnable threads on the node's machine
     # (profile_contention.py); [1.0]: not measured (the simulator shares cores linearly)
     contention: list[float] = field(default_factory=lambda: [1.0])
@@ -68,9 +79,32 @@ class Profile:
         p0, p1, p2 = self.prefill_coef
         return p0 + p1 * tokens + p2 * attn_pairs / 1e6 + self.step_overhead_s
 
-    def decode_s(self, batch: float, ctx_sum: float) -> float:
+    def decode_s(self, batch: float, ctx_sum: float, pd: bool = False) -> float:
+        """One decode step; `pd`: on a PD decode node (its tokens stream via the router)."""
         d0, d1, d2 = self.decode_coef
-        return d0 + d1 * batch + d2 * ctx_sum / 1e3 + self.step_overhead_s
+        return d0 + d1 * batch + d2 * ctx_sum / 1e3 + self.step_overhead(pd)
+
+    def step_overhead(self, pd: bool) -> float:
+        """Per-step serving cost of a decode step on a PD decode node (`pd`) or else."""
+        return self.pd_step_overhead_s if pd and self.pd_step_overhead_s is not None \
+            else self.step_overhead_s
+
+    def request_overhead(self, pd: bool) -> float:
+        """Fixed cost a request adds to TTFT (and E2E) on a PD stack (`pd`) or a node."""
+        return self.pd_request_overhead_s if pd and self.pd_request_overhead_s is not None \
+            else self.request_overhead_s
+
+    def request_overheads(self, pd: bool, n: int, seed: int) -> np.ndarray:
+        """What each of `n` requests adds to TTFT: the overhead plus a jitter drawn from the
+        measured ones (none measured: the overhead alone), never below 0. The draws depend
+        on `seed` only, so both simulators give a request the same one."""
+        over = self.request_overhead(pd)
+        jit = self.pd_request_jitter_s if pd and self.pd_request_overhead_s is not None \
+            else self.request_jitter_s
+        if not jit:
+            return np.full(n, over)
+        draw = np.random.default_rng([seed, 0x6A17]).integers(0, len(jit), size=n)
+        return np.maximum(0.0, over + np.asarray(jit)[draw])
 
     def slowdown(self, extra_threads: float) -> float | None:
         """Step time with `extra_threads` other runnable threads on the machine over the
@@ -116,8 +150,13 @@ class Profile:
     def check(self) -> None:
         if len(self.prefill_coef) != 3 or len(self.decode_coef) != 3:
             raise ProfileError("profile: prefill_coef and decode_coef need 3 numbers each")
+        jit = [*self.request_jitter_s, *self.pd_request_jitter_s]
+        if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in jit):
+            raise ProfileError("profile: request jitters must be finite numbers")
         nums = [*self.prefill_coef, *self.decode_coef, self.transfer_latency_s,
-                self.request_overhead_s, self.step_overhead_s, self.background_load]
+                self.request_overhead_s, self.step_overhead_s, self.background_load,
+                *(v for v in (self.pd_request_overhead_s, self.pd_step_overhead_s)
+                  if v is not None)]
         if any(not isinstance(v, (int, float)) or v < 0 for v in nums):
             raise ProfileError("profile: cost coefficients must be numbers >= 0")
         if self.transfer_gbps <= 0 or self.kv_pool_tokens <= 0 or self.page_size < 1:

@@ -117,14 +117,14 @@ def candidates(max_nodes: int, cost: dict[str, float], base: ClusterSpec) -> lis
 
 def search(prof: Profile, wl: Workload, slos: dict[str, float], max_nodes: int,
            cost: dict[str, float], base: ClusterSpec, seed: int = 0,
-           log=None) -> list[Outcome]:
+           log=None, workers: int = 1) -> list[Outcome]:
     """Every evaluated shape, best first (meets, then cost, then attainment)."""
     results: list[Outcome] = []
     levels_after = None
     for c, cluster in candidates(max_nodes, cost, base):
         if levels_after is not None and c > levels_after:
             break
-        res = simulator_for(prof, cluster, wl, seed).run(wl)
+        res = simulator_for(prof, cluster, wl, seed, workers).run(wl)
         out = evaluate(res, wl, cluster, c, slos)
         results.append(out)
         if log:

@@ -91,7 +91,7 @@ class Simulator:
             self.dn = [SimNode(i, "decode", spec) for i in range(cluster.decode)]
         else:
             self.pn, self.dn = [], [SimNode(i, "colocated", spec) for i in range(cluster.colocated)]
-        self.rng = np.random.default_rng(seed)
+        self.rng, self.seed = np.random.default_rng(seed), seed
         self.heap: list = []
         self.seq = 0
         self.machine_busy = 0
@@ -128,7 +128,7 @@ class Simulator:
                 dur = self.prof.extend_s(tokens, attn)
         if not dur and node.run:
             b, ctx = node.decode_shape()
-            dur = self.prof.decode_s(b, ctx)
+            dur = self.prof.decode_s(b, ctx, node.kind == "decode")
         if not dur:
             return
         node.busy = True
@@ -255,7 +255,7 @@ class Simulator:
 
     def _result(self, wl: Workload, t_end: float, stable: bool, events: int,
                 wall: float) -> SimResult:
-        over = self.prof.request_overhead_s
+        over = self.prof.request_overheads(self.c.pd, len(wl), self.seed)
         first = np.asarray(self.first) - wl.arrival + over
         e2e = np.asarray(self.end) - wl.arrival + over
         with np.errstate(invalid="ignore", divide="ignore"):

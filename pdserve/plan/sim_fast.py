@@ -21,6 +21,8 @@ each also fed the `warmup_s` seconds of traffic before it (their results are dro
 the iteration count follows one segment, not the whole trace, and memory one group. Queues
 forget their state in far less than `warmup_s` unless the cluster is overloaded (then
 `stable` says so anyway).
+Groups are independent, so with `workers` > 1 (0: one per core) they run in that many
+forked processes (`sim_workers.py`), with the same results.
 Not modelled (checked or refused): decode pre-allocation never waits for room
 (`max_batch` reports the largest decode batch: compare with `max_running`), the KV pool is
 not checked, `chunk` must be 0 or >= every prompt, no machine sharing, no colocated shapes,
@@ -29,6 +31,7 @@ and a request with one output token gets it when its KV lands.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -36,6 +39,7 @@ import numpy as np
 from pdserve.plan.profile_model import Profile
 from pdserve.plan.sim import ClusterSpec, SimResult, Simulator
 from pdserve.plan.sim_lanes import DecodeLanes, prefill_lanes
+from pdserve.plan.sim_workers import fork_map, shared_empty
 from pdserve.plan.workload import Workload
 
 
@@ -57,7 +61,7 @@ def by_lane(lane: np.ndarray, nlanes: int, t: np.ndarray, base: np.ndarray,
 class FastSimulator:
     def __init__(self, prof: Profile, cluster: ClusterSpec, seed: int = 0,
                  segment_s: float = 30.0, warmup_s: float = 5.0, group: int = 16,
-                 prealloc: str = "shift") -> None:
+                 prealloc: str = "shift", workers: int = 1) -> None:
         if not cluster.pd or cluster.decode < 1:
             raise ValueError("the fast simulator models PD clusters only (>= 1P and >= 1D)")
         if cluster.machine_cores > 0:
@@ -65,9 +69,10 @@ class FastSimulator:
         if prealloc not in ("shift", "rerun", "none"):
             raise ValueError(f"prealloc must be shift, rerun or none, not {prealloc!r}")
         self.prof, self.c = prof, cluster
-        self.rng = np.random.default_rng(seed)
+        self.rng, self.seed = np.random.default_rng(seed), seed
         self.segment_s, self.warmup_s, self.group = segment_s, warmup_s, max(1, group)
         self.prealloc = prealloc
+        self.workers = workers  # processes for the segment groups (0: one per core)
         self.max_batch = self.steps = self.segments = 0
         self.busy_s = {"prefill": 0.0, "decode": 0.0}
 
@@ -78,30 +83,46 @@ class FastSimulator:
             raise ValueError("the fast simulator needs --chunked-prefill-size 0 or >= every "
                              "prompt; use the reference simulator")
         r = self.rng.integers(0, 1 << 60, size=n)  # the same draws as sim.py's
-        pnode = (r >> 8) % c.prefill
-        dnode = (np.arange(n) + (int(r[0] % c.decode) if n else 0)) % c.decode
+        self.pnode = (r >> 8) % c.prefill
+        self.dnode = (np.arange(n) + (int(r[0] % c.decode) if n else 0)) % c.decode
+        span = float(wl.arrival[-1]) if n else 0.0
+        T = self.segment_s
+        nseg = self.segments = max(1, int(span // T)) if T > 0 else 1
+        workers = min(self.workers or os.cpu_count() or 1, nseg)
+        # at most `group` segments per group, as many groups per worker, sizes within one
+        k = -(-nseg // self.group)
+        k = -(-k // workers) * workers
+        cuts = [nseg * g // k for g in range(k + 1)]
+        groups = [(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False) if hi > lo]
+        alloc = shared_empty if workers > 1 else np.empty
+        self.first, self.end = alloc(n), alloc(n)
+        stats = fork_map(groups, lambda g: self._group(wl, nseg, *g), workers, 4)
+        self.steps, self.max_batch = int(stats[:, 0].sum()), int(stats[:, 1].max())
+        self.busy_s = {"prefill": float(stats[:, 2].sum()), "decode": float(stats[:, 3].sum())}
+        first, end = self.first, self.end
+        del self.first, self.end, self.pnode, self.dnode
+        return self._result(wl, first, end, time.perf_counter() - t0)
+
+    def _group(self, wl: Workload, nseg: int, lo: int, hi: int) -> tuple[float, ...]:
+        """Segments [lo, hi) as one set of lanes: fills their requests' first and last token
+        times; returns (steps, largest decode batch, prefill busy s, decode busy s)."""
+        T, w, n = self.segment_s, self.warmup_s, len(wl)
         self.max_batch = self.steps = 0
         self.busy_s = {"prefill": 0.0, "decode": 0.0}
-        span = float(wl.arrival[-1]) if n else 0.0
-        T, w = self.segment_s, self.warmup_s
-        nseg = self.segments = max(1, int(span // T)) if T > 0 else 1
-        first, end = np.empty(n), np.empty(n)
-        for lo in range(0, nseg, self.group):
-            hi = min(lo + self.group, nseg)
-            a = 0 if lo == 0 else int(np.searchsorted(wl.arrival, lo * T - w))
-            b = n if hi == nseg else int(np.searchsorted(wl.arrival, hi * T))
-            arr = wl.arrival[a:b]
-            seg = (np.clip(arr // T, lo - 1, hi - 1).astype(np.int64) if nseg > 1
-                   else np.zeros(b - a, np.int64))
-            warm = np.flatnonzero((seg + 1 < hi) & (arr >= (seg + 1) * T - w))
-            real = np.flatnonzero(seg >= lo)
-            src = np.concatenate((warm, real))  # warm-up copies first: lanes stay in order
-            f, e = self._chunk(arr[src], wl.isl[a:b][src], wl.osl[a:b][src],
-                               pnode[a:b][src], dnode[a:b][src],
-                               np.concatenate((seg[warm] + 1, seg[real])) - lo, hi - lo,
-                               len(real) / max(1, len(src)))
-            first[a + real], end[a + real] = f[len(warm):], e[len(warm):]
-        return self._result(wl, first, end, time.perf_counter() - t0)
+        a = 0 if lo == 0 else int(np.searchsorted(wl.arrival, lo * T - w))
+        b = n if hi == nseg else int(np.searchsorted(wl.arrival, hi * T))
+        arr = wl.arrival[a:b]
+        seg = (np.clip(arr // T, lo - 1, hi - 1).astype(np.int64) if nseg > 1
+               else np.zeros(b - a, np.int64))
+        warm = np.flatnonzero((seg + 1 < hi) & (arr >= (seg + 1) * T - w))
+        real = np.flatnonzero(seg >= lo)
+        src = np.concatenate((warm, real))  # warm-up copies first: lanes stay in order
+        f, e = self._chunk(arr[src], wl.isl[a:b][src], wl.osl[a:b][src],
+                           self.pnode[a:b][src], self.dnode[a:b][src],
+                           np.concatenate((seg[warm] + 1, seg[real])) - lo, hi - lo,
+                           len(real) / max(1, len(src)))
+        self.first[a + real], self.end[a + real] = f[len(warm):], e[len(warm):]
+        return (self.steps, self.max_batch, self.busy_s["prefill"], self.busy_s["decode"])
 
     def _chunk(self, arr: np.ndarray, isl: np.ndarray, osl: np.ndarray, pnode: np.ndarray,
                dnode: np.ndarray, seg: np.ndarray, nseg: int, real_frac: float
@@ -161,7 +182,7 @@ class FastSimulator:
 
     def _result(self, wl: Workload, first: np.ndarray, end: np.ndarray,
                 wall: float) -> SimResult:
-        over = self.prof.request_overhead_s
+        over = self.prof.request_overheads(True, len(wl), self.seed)
         ttft = first - wl.arrival + over
         e2e = end - wl.arrival + over
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -182,10 +203,12 @@ class FastSimulator:
 FAST_MIN_REQUESTS = 200_000  # below this the reference simulator is fast enough
 
 
-def simulator_for(prof: Profile, cluster: ClusterSpec, wl: Workload, seed: int = 0):
-    """The reference simulator, or the fast one for a long workload on a shape it models."""
+def simulator_for(prof: Profile, cluster: ClusterSpec, wl: Workload, seed: int = 0,
+                  workers: int = 1):
+    """The reference simulator, or the fast one (with `workers` processes) for a long
+    workload on a shape it models."""
     fits = (cluster.pd and cluster.machine_cores <= 0
             and (not cluster.node.chunk or int(wl.isl.max()) <= cluster.node.chunk))
     if fits and len(wl) >= FAST_MIN_REQUESTS:
-        return FastSimulator(prof, cluster, seed)
+        return FastSimulator(prof, cluster, seed, workers=workers)
     return Simulator(prof, cluster, seed)

@@ -139,6 +139,7 @@ class DecodeLanes:
         W = int(M.max(initial=0)) + 1  # finish ring: a request ends < W steps after joining
         finB, finS = np.zeros((W, n), np.int64), np.zeros((W, n), np.int64)
         d0, d1, d2 = self.prof.decode_coef
+        step_over = self.prof.step_overhead(True)  # decode lanes are PD decode nodes
         j, B, S = self.starts.copy(), np.zeros(n, np.int64), np.zeros(n, np.int64)
         free = np.zeros(n)
         act, i = np.flatnonzero(j < ends), 0
@@ -154,15 +155,15 @@ class DecodeLanes:
             if idx.size:
                 lane = act[own]
                 self.first[idx] = ts[own]
-                slot = (i + M[idx]) % W
-                np.add.at(finB, (slot, lane), 1)
-                np.add.at(finS, (slot, lane), L[idx] - i)
+                cell = (i + M[idx]) % W * n + lane  # flat (slot, lane): 1-D add.at is fast
+                np.add.at(finB.reshape(-1), cell, 1)
+                np.add.at(finS.reshape(-1), cell, L[idx] - i)
                 self.pend.append((idx, i + M[idx] - 1, lane))
                 S[sel] += CI[a] - CI[jj] - lens * i  # context at join minus the step
                 b = B[sel] = b + lens
                 j[sel] = a
             self.max_batch = max(self.max_batch, int(b.max()))
-            dur = d0 + d1 * b + d2 * (S[sel] + b * i) / 1e3 + self.prof.step_overhead_s
+            dur = d0 + d1 * b + d2 * (S[sel] + b * i) / 1e3 + step_over
             t_end = ts + dur
             if self.A is not None:
                 g[sel] = self._bounds(g[sel], act, idle, ts, t_end, akey, aoff)

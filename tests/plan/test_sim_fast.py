@@ -78,6 +78,35 @@ def test_time_segments_match_one_long_run():
         assert np.nanpercentile(getattr(parts, m), [50, 90]) == pytest.approx(want, rel=0.05)
 
 
+def test_worker_processes_give_the_same_results():
+    # 4 segment groups over 2 forked workers: every request's times, the step count, the
+    # largest batch and the busy time equal the one-process run
+    prof = gpu_like()
+    cluster = ClusterSpec(prefill=2, decode=2, node=NodeSpec(max_running=256))
+    work = synthetic(60, 3600, "uniform:64:512", "uniform:2:64", seed=2)
+    one = FastSimulator(prof, cluster, segment_s=12, warmup_s=4, group=1)
+    two = FastSimulator(prof, cluster, segment_s=12, warmup_s=4, group=1, workers=2)
+    a, b = one.run(work), two.run(work)
+    assert one.segments == 4
+    np.testing.assert_array_equal(a.ttft, b.ttft)
+    np.testing.assert_array_equal(a.e2e, b.e2e)
+    assert (one.steps, one.max_batch) == (two.steps, two.max_batch)
+    assert one.busy_s == pytest.approx(two.busy_s)
+
+
+def test_a_failing_worker_is_reported():
+    from pdserve.plan.sim_workers import fork_map
+
+    def body(job):
+        if job == 3:
+            raise ValueError("boom")
+        return (job,)
+
+    assert fork_map([1, 2], body, 2, 1)[:, 0].tolist() == [1.0, 2.0]
+    with pytest.raises(RuntimeError, match="1 simulator worker"):
+        fork_map([1, 2, 3, 4], body, 2, 1)
+
+
 def test_prealloc_wait_modes():
     # a decode node busy with a long request: the next request (at 137 ms) is pre-allocated
     # when the step in flight ends (150 ms), enters prefill at 155, its KV lands at 180,
