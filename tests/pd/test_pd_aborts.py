@@ -261,7 +261,7 @@ def test_abort_many_chunked_requests_at_different_points(pd, p):
 def _hold_transfer_thread(pe):
     """Block the prefill's transfer thread: sends queue up (Transferring) until release."""
     gate = threading.Event()
-    pe.role.mgr.run_on_transfer_thread(lambda _backend: gate.wait(10))
+    pe.role.mgr.run_on_transfer_thread(lambda _backend: gate.wait(60))
     return gate
 
 
@@ -274,6 +274,11 @@ def test_abort_decode_while_transferring(pd):
         assert leg.decode in de.role.transferring
         assert leg.prefill.pd.sender.poll() == KVPoll.Transferring
         assert de.abort(leg.rid)
+        # The prefill's control thread takes the decode's Abort while the transfer thread is
+        # still held; released before that, the queued write could finish first and the
+        # prefill leg would (rightly) succeed: a race, not the case under test.
+        pd.run(timeout=WAIT_S,
+               until=lambda: leg.prefill.pd.sender.poll() == KVPoll.Failed)
     finally:
         gate.set()
     elapsed = timed_run(pd, lambda: done(pe, leg.prefill) and leg.decode.finished, WAIT_S)
