@@ -103,59 +103,53 @@ def test_unsliceable_tp_refused_with_clear_error():
         cluster.close()
 
 
-def test_prefill_rank_killed_mid_transfer_fails_decode_cleanly():
+def _kill_prefill_rank_mid_transfer(decode_cfg: dict, seed: int, check_decode) -> None:
+    """A P TP2 node loses rank 1 (kill -9) after some pages went out but before the prompt
+    (10 chunks of 16) is done. The decode node alone runs on: `check_decode(leg, decode)`
+    asserts how its leg failed; its pools must be full. The prefill node is out: its next
+    forward fails every request it holds."""
     cluster = PDCluster("tiny-llama", "tcp", prefills=[{"tp_size": 2, "chunked_prefill_size": 16}],
-                        decodes=[{"tp_size": 2}],
+                        decodes=[decode_cfg],
                         transfer={"heartbeat_interval_s": 0.2, "heartbeat_misses": 2})
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     try:
-        leg = cluster.submit(random_prompt(150, seed=77), greedy(8))
-        # Step until some pages went out but the prompt (10 chunks of 16) is not done.
+        leg = cluster.submit(random_prompt(150, seed=seed), greedy(8))
         cluster.run(timeout=60, until=lambda: leg.prefill.pd.progress.sent_pages >= 2)
         assert not leg.prefill.finished
         victim = prefill.tp.procs[0]  # prefill rank 1
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
-        # The decode node alone: its rank-1 room loses its peer, the room fails on every
-        # rank, and only then are the pages freed.
         cluster.run(timeout=60, engines=[decode])
         assert_failed(leg.decode, "decode leg")
-        assert "TP rank" in leg.decode.error and "prefill" in leg.decode.error, leg.decode.error
+        check_decode(leg, decode)
         assert not engine_problems(decode), engine_problems(decode)
-        # The prefill node is out: its next forward fails every request it holds.
         with pytest.raises(RuntimeError):
             for _ in range(200):
                 prefill.step()
         assert leg.prefill.finished and leg.prefill.error
     finally:
         cluster.close()
+
+
+def test_prefill_rank_killed_mid_transfer_fails_decode_cleanly():
+    """P TP2 -> D TP2: the decode's rank-1 room loses its peer, the room fails on every rank,
+    and only then are the pages freed."""
+    def check(leg, decode):
+        assert "TP rank" in leg.decode.error and "prefill" in leg.decode.error, leg.decode.error
+
+    _kill_prefill_rank_mid_transfer({"tp_size": 2}, 77, check)
 
 
 def test_prefill_rank_killed_mid_transfer_fails_a_tp1_decode_cleanly():
     """P TP2 -> D TP1: the decode rank pulls its two heads from both prefill ranks (two
     sub-transfers); one prefill rank dies, its sub-transfer fails, the other is aborted,
     and the decode frees the pages only once both are terminal."""
-    cluster = PDCluster("tiny-llama", "tcp", prefills=[{"tp_size": 2, "chunked_prefill_size": 16}],
-                        decodes=[{}], transfer={"heartbeat_interval_s": 0.2, "heartbeat_misses": 2})
-    prefill, decode = cluster.prefills[0], cluster.decodes[0]
-    try:
-        leg = cluster.submit(random_prompt(150, seed=78), greedy(8))
-        cluster.run(timeout=60, until=lambda: leg.prefill.pd.progress.sent_pages >= 2)
-        assert not leg.prefill.finished
-        victim = prefill.tp.procs[0]  # prefill rank 1
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
-        cluster.run(timeout=60, engines=[decode])
-        assert_failed(leg.decode, "decode leg")
-        assert "prefill" in leg.decode.error and "heartbeat" in leg.decode.error, leg.decode.error
-        assert not engine_problems(decode), engine_problems(decode)
+    def check(leg, decode):
+        assert "prefill" in leg.decode.error and "heartbeat" in leg.decode.error, \
+            leg.decode.error
         assert decode.role.mgr.metrics()["live_rooms"] == 0  # both sub-transfers ended
-        with pytest.raises(RuntimeError):
-            for _ in range(200):
-                prefill.step()
-        assert leg.prefill.finished and leg.prefill.error
-    finally:
-        cluster.close()
+
+    _kill_prefill_rank_mid_transfer({}, 78, check)
 
 
 def _node(role: str, tp: int, kv_heads: int = 2) -> dict:
