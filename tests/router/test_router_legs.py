@@ -219,6 +219,16 @@ class SilentStream(httpx.AsyncByteStream):
         self.closed.set()
 
 
+def _silent_decode(silent: SilentStream):
+    """A handler: the prefill leg answers, the decode leg streams `silent`."""
+    def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, stream=silent)
+
+    return handler
+
+
 async def _legs(handler, stall_s: float):
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     legs = Legs(http, state("p0"), state("d0", "decode"), {"input_ids": [1]},
@@ -232,13 +242,8 @@ def test_a_silent_decode_stream_is_a_decode_death_and_is_let_go():
     (which migrates), and the router closes the stream (the node aborts when it runs)."""
     silent = SilentStream()
 
-    def handler(request):
-        if role_of(request) == "prefill":
-            return httpx.Response(200, json=GOOD_EVENT)
-        return httpx.Response(200, stream=silent)
-
     async def go():
-        legs, http = await _legs(handler, 0.3)
+        legs, http = await _legs(_silent_decode(silent), 0.3)
         try:
             first = await asyncio.wait_for(legs.next(), BOUND_S)
             with pytest.raises(LegError) as info:
@@ -278,13 +283,8 @@ def test_no_stall_timer_before_the_decode_node_answers_nor_when_off():
 
     silent = SilentStream()
 
-    def quiet(request):
-        if role_of(request) == "prefill":
-            return httpx.Response(200, json=GOOD_EVENT)
-        return httpx.Response(200, stream=silent)
-
     async def go_off():
-        legs, http = await _legs(quiet, 0)
+        legs, http = await _legs(_silent_decode(silent), 0)
         try:
             await asyncio.wait_for(legs.next(), BOUND_S)
             with pytest.raises(TimeoutError):  # nothing ends it: the timer is off
