@@ -16,6 +16,7 @@ Exit status 0 only when that verdict holds (tests/soak runs `--quick`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -109,9 +110,11 @@ def pick_victim(cluster: Cluster, role: str, rng: random.Random) -> Member | Non
     return rng.choice(ready) if len(ready) >= 2 else None
 
 
+FAULTS = ["kill_decode", "kill_prefill", "kill_registry", "pause_node"]
+
+
 async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: asyncio.Event,
-                 log: Counter) -> None:
-    kinds = ["kill_decode", "kill_prefill", "kill_registry", "pause_node"]
+                 log: Counter, kinds: list[str]) -> None:
     i = 0
     while not stop.is_set():
         await asyncio.sleep(interval_s * rng.uniform(0.6, 1.4))
@@ -189,7 +192,7 @@ async def soak(cluster: Cluster, args) -> tuple[list[Outcome], Counter]:
     loader = asyncio.create_task(load(cluster.router, args.workers, stop_load,
                                       random.Random(args.seed + 1), outcomes))
     chaos = asyncio.create_task(faults(cluster, rng, args.fault_interval_s, stop_faults,
-                                       fault_log))
+                                       fault_log, args.faults.split(",")))
     await asyncio.sleep(args.minutes * 60)
     stop_faults.set()
     await chaos
@@ -209,7 +212,11 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="tcp", choices=["tcp", "mooncake"])
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help="comma-separated kinds, played in this order first, then at random")
     args = p.parse_args()
+    if bad := set(args.faults.split(",")) - set(FAULTS):
+        p.error(f"unknown fault kind(s) {sorted(bad)}; choose from {FAULTS}")
     if args.quick:
         args.minutes, args.fault_interval_s, args.workers = 0.75, 10.0, 4
     global T0
@@ -220,6 +227,11 @@ def main() -> int:
         T0 = time.monotonic()
         outcomes, fault_log = asyncio.run(soak(cluster, args))
         leaked = leaks(cluster)
+        for name in leaked:  # what the node held, for whoever reads the failure
+            m = cluster.members[name]
+            with contextlib.suppress(httpx.HTTPError):
+                (log_dir / f"{name}.server_info.json").write_text(
+                    httpx.get(f"{m.url}/server_info", timeout=5).text)
     finally:
         cluster.stop()
     return verdict(outcomes, fault_log, leaked, args, log_dir)

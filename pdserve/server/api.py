@@ -90,12 +90,14 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         sp |= body.logprob_params(len(ids))
         extra = await front.resolve_extra(body.leg_fields())
         start = body.logprob_start_len if body.return_logprob else None
+        # The client is watched in both modes: a stream's first event may be long in coming
+        # (a decode leg waiting for its KV), and a leg its router gave up on must end here.
+        run = front.run(ids, sp, body.rid, extra, request.is_disconnected)
         if body.stream:
-            events = await _started(front.run(ids, sp, body.rid, extra))
-            return StreamingResponse(_generate_sse(events, ids, start),
+            return StreamingResponse(_generate_sse(await _started(run), ids, start),
                                      media_type="text/event-stream")
         last = None
-        async for ev in front.run(ids, sp, body.rid, extra, request.is_disconnected):
+        async for ev in run:
             last = ev
         return _generate_obj(last, ids, start) if last else \
             error_response(499, "client disconnected")
@@ -125,7 +127,8 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
             raise ApiError(400, "n > 1 is not supported on a prefill/decode leg: the router "
                                 "sends each choice as its own request")
         if body.stream:
-            streams = await start_all([front.run(ids, sp, extra=extra)
+            streams = await start_all([front.run(ids, sp, extra=extra,
+                                                 disconnected=request.is_disconnected)
                                        for sp in plan.samplings], _started)
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(openai_stream(merge(streams), plan.shape, usage),
@@ -146,7 +149,10 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
 async def _started(events):
     """Pull the first event before answering 200, so admission errors (400/429/503) still
     become the HTTP status of a streaming request."""
-    first = await events.__anext__()
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:  # the client left before the first event (nobody reads this)
+        raise ApiError(499, "client disconnected") from None
 
     async def chain():
         yield first

@@ -80,7 +80,7 @@ class Frontend:
     async def run(self, ids: list[int], sampling: dict, rid: str | None = None,
                   extra: dict | None = None, disconnected=None) -> AsyncIterator[Event]:
         """Yield an Event per token update until finished. Raises ApiError (400/408/429/503).
-        `disconnected` (an async callable) is polled for non-streaming requests."""
+        `disconnected` (an async callable, the HTTP request's) is polled while waiting."""
         # The scheduler only ever sees an internal id: a client's rid is a label, and two
         # requests must never share one routing key (late updates of an old one would leak).
         if self.draining:  # routers retry "draining" elsewhere and stop picking us

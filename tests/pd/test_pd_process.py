@@ -147,6 +147,35 @@ def test_bad_legs_are_refused_with_a_clear_error(stack):
     prefill.wait_pools_full()
 
 
+def test_decode_leg_ends_when_its_client_leaves_before_the_kv(stack):
+    """A decode leg still waiting for its KV (its prefill never got the other leg) whose
+    client gives up, as the router does at its request timeout: the decode node ends it
+    when the connection closes, streaming or not, instead of holding the request, its
+    pages and its room until the bootstrap timeout (300 s on this pair)."""
+    patient = ["--kv-bootstrap-timeout-s", "300"]
+    prefill = Node("prefill", "tcp", stack.registry, stack.log_dir, MODEL,
+                   [*PREFILL_FLAGS, *patient])
+    decode = Node("decode", "tcp", stack.registry, stack.log_dir, MODEL,
+                  [*DECODE_FLAGS, *patient])
+    try:
+        for node in (prefill, decode):
+            node.spawn()
+        for node in (prefill, decode):
+            node.wait_ready()
+        for i, stream in enumerate((True, False)):
+            body = {"input_ids": random_prompt(30, seed=3200 + i), "sampling_params": GREEDY,
+                    "bootstrap_room": 77_000 + i, "prefill_node_id": prefill.node_id,
+                    "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):  # no KV, no answer: the client leaves
+                httpx.post(f"{decode.url}/generate", json=body, timeout=3)
+            decode.wait_pools_full(timeout=30)
+            prefill.wait_pools_full(timeout=30)
+        assert decode.metrics()['pdserve_requests_total{finish_reason="abort"}'] >= 2
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kill9_prefill_mid_transfer(stack, backend):
     prefill, decode = stack.node("prefill", backend), stack.node("decode", backend)
