@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.config import EngineConfig
 from pdserve.plan.profile_model import Profile
 from pdserve.plan.sim import ClusterSpec
 
@@ -15,22 +16,23 @@ CHART_VALUES = Path(__file__).resolve().parents[2] / "helm" / "pdserve" / "value
 
 def plan_values(prof: Profile, cluster: ClusterSpec, backend: str) -> dict:
     """Values of the PD tiers of `cluster` (a colocated plan has no chart: the caller says so)."""
-    e = prof.engine
-    engine_args = ["--max-prefill-tokens", str(e.get("max_prefill_tokens", 4096)),
-                   "--decode-reserve-tokens", str(e.get("decode_reserve_tokens", 64))]
+    # A profile without an engine knob was measured with the engine's default.
+    e = {**vars(EngineConfig()), **prof.engine}
+    engine_args = ["--max-prefill-tokens", str(e["max_prefill_tokens"]),
+                   "--decode-reserve-tokens", str(e["decode_reserve_tokens"])]
     dtype = e.get("dtype", "auto")
     return {
         "model": {"name": prof.model},
         "engine": {"pageSize": prof.page_size, "dtype": dtype},
         "transfer": {"backend": backend},
         "prefill": {"replicas": cluster.prefill,
-                    "maxRunningRequests": int(e.get("max_running_requests", 64)),
-                    "kvCacheMb": int(e.get("kv_cache_mb", 512)),
-                    "chunkedPrefillSize": int(e.get("chunked_prefill_size", 2048)),
+                    "maxRunningRequests": int(e["max_running_requests"]),
+                    "kvCacheMb": int(e["kv_cache_mb"]),
+                    "chunkedPrefillSize": int(e["chunked_prefill_size"]),
                     "extraArgs": engine_args},
         "decode": {"replicas": cluster.decode,
-                   "maxRunningRequests": int(e.get("max_running_requests", 64)),
-                   "kvCacheMb": int(e.get("kv_cache_mb", 512)),
+                   "maxRunningRequests": int(e["max_running_requests"]),
+                   "kvCacheMb": int(e["kv_cache_mb"]),
                    "extraArgs": list(engine_args)},
     }
 

@@ -99,12 +99,12 @@ def evaluate(res: SimResult, wl: Workload, cluster: ClusterSpec, cost: float,
 
 
 def node_spec(prof: Profile) -> NodeSpec:
-    e = prof.engine
+    e, d = prof.engine, NodeSpec()
     return NodeSpec(page_size=prof.page_size, pool_pages=prof.kv_pool_tokens // prof.page_size,
-                    chunk=int(e.get("chunked_prefill_size", 2048)),
-                    budget=int(e.get("max_prefill_tokens", 4096)),
-                    max_running=int(e.get("max_running_requests", 64)),
-                    reserve_tokens=int(e.get("decode_reserve_tokens", 64)))
+                    chunk=int(e.get("chunked_prefill_size", d.chunk)),
+                    budget=int(e.get("max_prefill_tokens", d.budget)),
+                    max_running=int(e.get("max_running_requests", d.max_running)),
+                    reserve_tokens=int(e.get("decode_reserve_tokens", d.reserve_tokens)))
 
 
 def candidates(max_nodes: int, cost: dict[str, float], base: ClusterSpec) -> list[tuple]:

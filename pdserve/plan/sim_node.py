@@ -27,17 +27,21 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.config import EngineConfig
+
+_ENGINE = EngineConfig()  # the engine's defaults: a profile without its knobs means these
+
 
 @dataclass(frozen=True)
 class NodeSpec:
     """The engine knobs the scheduler rules depend on (EngineConfig fields)."""
 
-    page_size: int = 16
+    page_size: int = _ENGINE.page_size
     pool_pages: int = 1 << 20
-    chunk: int = 2048  # chunked_prefill_size; 0 = off
-    budget: int = 4096  # max_prefill_tokens
-    max_running: int = 64
-    reserve_tokens: int = 64  # decode_reserve_tokens
+    chunk: int = _ENGINE.chunked_prefill_size  # 0 = off
+    budget: int = _ENGINE.max_prefill_tokens
+    max_running: int = _ENGINE.max_running_requests
+    reserve_tokens: int = _ENGINE.decode_reserve_tokens
 
     def pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

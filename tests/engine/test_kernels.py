@@ -129,3 +129,20 @@ def test_small_linear_matches_torch(native, rows, bias):
     assert native.linear(x[:1], w, b).shape == (1, 200)
     with pytest.raises(RuntimeError, match="small_linear"):
         native.m.small_linear(x.float(), w.float(), None)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_float32_linear_matches_torch(native, rows, bias):
+    """float32 linears use the weight packed once for oneDNN: the same products as F.linear
+    up to summation order; one packed copy per weight, reused; other dtypes are not packed."""
+    g = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, 96, generator=g)
+    w = torch.nn.Parameter(torch.randn(200, 96, generator=g))  # as the model holds it
+    b = torch.randn(200, generator=g) if bias else None
+    with torch.inference_mode():
+        out = native.linear(x, w, b)
+    close(out, torch.nn.functional.linear(x, w.detach(), b), torch.float32)
+    packed = native.packed.get(w)
+    assert packed is not None and packed is native.packed.get(w)
+    assert native.packed.get(w.detach().bfloat16()) is None
