@@ -8,7 +8,7 @@ output, or failed with a clear error (an HTTP error status with a JSON message, 
 in-band error event) within its deadline; nothing may hang; and every live node must
 report its KV pages, request slots, metadata rows and transfer rooms back to full/empty.
 
-    python bench/chaos.py [--quick] [--minutes M] [--seed S] [--out PATH]
+    python bench/chaos.py [--quick] [--minutes M] [--seed S] [--faults KIND,...] [--out PATH]
 
 Exit status 0 only when that verdict holds (tests/soak runs `--quick`).
 """
