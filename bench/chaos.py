@@ -44,12 +44,14 @@ class Outcome:
     ids: list[int] = field(default_factory=list)
     error: str = ""
     seconds: float = 0.0
+    started: float = 0.0  # seconds after the soak began
 
 
 async def one_request(client: httpx.AsyncClient, router: str, o: Outcome) -> None:
     body = {"input_ids": o.prompt, "stream": True, "sampling_params": {
         "max_new_tokens": o.max_new, "temperature": 0, "ignore_eos": True}}
     t0 = time.monotonic()
+    o.started = t0 - T0
     try:
         await asyncio.wait_for(_stream(client, router, body, o), DEADLINE_S)
     except TimeoutError:
@@ -250,10 +252,14 @@ def verdict(outcomes: list[Outcome], fault_log: Counter, leaked: dict, args, log
     summary = {"requests": len(outcomes), "ok": by["ok"], "exact": len(ok) - wrong,
                "wrong_output": wrong, "failed_clear": by["error"], "unclear": by["unclear"],
                "hung": by["hung"], "dropped_by_client": by["dropped"],
-               "faults": dict(fault_log), "leaks": leaked, "log_dir": str(log_dir)}
+               "faults": dict(fault_log), "leaks": leaked, "log_dir": str(log_dir),
+               # when each failure started and how long it took, to match with the logs
+               "failures": [{"started_s": round(o.started, 1), "seconds": round(o.seconds, 1),
+                             "result": o.result, "error": o.error[:300]}
+                            for o in outcomes if o.result in ("error", "unclear", "hung")]}
     summary["passed"] = bool(outcomes and ok and not wrong and not by["unclear"]
                              and not by["hung"] and not leaked)
-    print(json.dumps({k: v for k, v in summary.items() if k != "faults"}))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("faults", "failures")}))
     write_json(args.out, summary, rows, args)
     return 0 if summary["passed"] else 1
 
