@@ -194,7 +194,7 @@ async def soak(cluster: Cluster, args) -> tuple[list[Outcome], Counter]:
     loader = asyncio.create_task(load(cluster.router, args.workers, stop_load,
                                       random.Random(args.seed + 1), outcomes))
     chaos = asyncio.create_task(faults(cluster, rng, args.fault_interval_s, stop_faults,
-                                       fault_log, args.faults.split(",")))
+                                       fault_log, args.faults))
     await asyncio.sleep(args.minutes * 60)
     stop_faults.set()
     await chaos
@@ -217,7 +217,8 @@ def main() -> int:
     p.add_argument("--faults", default=",".join(FAULTS),
                    help="comma-separated kinds, played in this order first, then at random")
     args = p.parse_args()
-    if bad := set(args.faults.split(",")) - set(FAULTS):
+    args.faults = args.faults.split(",")
+    if bad := set(args.faults) - set(FAULTS):
         p.error(f"unknown fault kind(s) {sorted(bad)}; choose from {FAULTS}")
     if args.quick:
         args.minutes, args.fault_interval_s, args.workers = 0.75, 10.0, 4

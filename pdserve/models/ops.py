@@ -126,16 +126,15 @@ class PackedWeights:
 
     def get(self, w: torch.Tensor) -> torch.Tensor | None:
         """The packed form of float32 CPU weight `w` [N, K], or None (use F.linear)."""
-        entry = self._by_weight.get(id(w))
-        if entry is not None and entry[0] is w:
-            return entry[1]
+        if (entry := self._by_weight.get(id(w))) is not None:
+            return entry[1]  # the entry holds w, so no other tensor can have its id
         packed = None
         if self.usable and w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu":
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
             except (RuntimeError, AttributeError):  # a torch without oneDNN linears
                 self.usable = False
-        self._by_weight[id(w)] = (w, packed)  # holds w: the id cannot be reused
+        self._by_weight[id(w)] = (w, packed)
         return packed
 
 

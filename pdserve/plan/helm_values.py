@@ -7,7 +7,6 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.config import EngineConfig
 from pdserve.plan.profile_model import Profile
 from pdserve.plan.sim import ClusterSpec
 
@@ -16,14 +15,12 @@ CHART_VALUES = Path(__file__).resolve().parents[2] / "helm" / "pdserve" / "value
 
 def plan_values(prof: Profile, cluster: ClusterSpec, backend: str) -> dict:
     """Values of the PD tiers of `cluster` (a colocated plan has no chart: the caller says so)."""
-    # A profile without an engine knob was measured with the engine's default.
-    e = {**vars(EngineConfig()), **prof.engine}
+    e = prof.engine_knobs()
     engine_args = ["--max-prefill-tokens", str(e["max_prefill_tokens"]),
                    "--decode-reserve-tokens", str(e["decode_reserve_tokens"])]
-    dtype = e.get("dtype", "auto")
     return {
         "model": {"name": prof.model},
-        "engine": {"pageSize": prof.page_size, "dtype": dtype},
+        "engine": {"pageSize": prof.page_size, "dtype": e["dtype"]},
         "transfer": {"backend": backend},
         "prefill": {"replicas": cluster.prefill,
                     "maxRunningRequests": int(e["max_running_requests"]),

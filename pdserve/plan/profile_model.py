@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.config import EngineConfig
+
 PROFILE_VERSION = 1
 
 
@@ -73,6 +75,11 @@ class Profile:
     background_load: float = 0.0  # runnable threads of other processes while profiling
     points: dict = field(default_factory=dict)  # raw measurements, for the record
     version: int = PROFILE_VERSION
+
+    def engine_knobs(self) -> dict:
+        """`engine` completed with EngineConfig's defaults: a knob the profile does not
+        record was the engine's default when it ran."""
+        return {**vars(EngineConfig()), **self.engine}
 
     # -- cost models ------------------------------------------------------------------
     def extend_s(self, tokens: float, attn_pairs: float) -> float:

@@ -99,12 +99,11 @@ def evaluate(res: SimResult, wl: Workload, cluster: ClusterSpec, cost: float,
 
 
 def node_spec(prof: Profile) -> NodeSpec:
-    e, d = prof.engine, NodeSpec()
+    e = prof.engine_knobs()
     return NodeSpec(page_size=prof.page_size, pool_pages=prof.kv_pool_tokens // prof.page_size,
-                    chunk=int(e.get("chunked_prefill_size", d.chunk)),
-                    budget=int(e.get("max_prefill_tokens", d.budget)),
-                    max_running=int(e.get("max_running_requests", d.max_running)),
-                    reserve_tokens=int(e.get("decode_reserve_tokens", d.reserve_tokens)))
+                    chunk=int(e["chunked_prefill_size"]), budget=int(e["max_prefill_tokens"]),
+                    max_running=int(e["max_running_requests"]),
+                    reserve_tokens=int(e["decode_reserve_tokens"]))
 
 
 def candidates(max_nodes: int, cost: dict[str, float], base: ClusterSpec) -> list[tuple]:
