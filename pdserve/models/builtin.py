@@ -10,8 +10,10 @@ Both land in the user cache so later starts read a plain safetensors folder.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve.models import smollm2, tiny
@@ -48,8 +50,29 @@ def resolve_model(name: str, cache_dir: str = "", tokenizer_dir: Path | None = N
     if _built_version(target) == BUILD_VERSION[name]:
         return target
     root.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: nodes of a stack started together on a fresh machine all
+    # want the folder; the others wait here, then find it built.
+    with _build_lock(root / f".{name}.lock"):
+        if _built_version(target) != BUILD_VERSION[name]:
+            _build(name, root, target, cache_dir, tokenizer_dir)
+    return target
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(name: str, root: Path, target: Path, cache_dir: str,
+           tokenizer_dir: Path | None) -> None:
     # Build into a temp folder and rename, so a crash never leaves a half-written model.
     tmp = root / f".{name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     if name == "smollm2-135m":
         smollm2.convert(tmp)
     else:
@@ -58,16 +81,9 @@ def resolve_model(name: str, cache_dir: str = "", tokenizer_dir: Path | None = N
     (tmp / ".complete").write_text(f"{BUILD_VERSION[name]}\n")
     if target.exists():  # an outdated build: move it aside, then drop it
         old = root / f".{name}.old{os.getpid()}"
-        with contextlib.suppress(OSError):
-            target.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _built_version(target) != BUILD_VERSION[name]:
-            raise
-    return target
+        target.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(target)
 
 
 def _built_version(folder: Path) -> str | None:
