@@ -396,10 +396,14 @@ class PrefillControl(ControlLoop):
         hb = self._cfg.heartbeat_deadline_s
         silent = {i for i, p in self._peers.items() if now - p.last_seen > hb}
         for r in list(self._rooms.values()):
+            if r.peer in silent:
+                # Failed rooms too: a write of one still in flight waits for the dead
+                # peer's ack, and so does every job queued behind it on the node's only
+                # transfer thread, until the peer is forgotten (TcpBackend.forget_peer).
+                self._declare_dead(self._peers[r.peer])
             if r.status.state == KVPoll.Failed:
                 continue
             if r.peer in silent:
-                self._declare_dead(self._peers[r.peer])
                 self._fail(r, _HB_LOST)
             elif now > r.deadline:
                 self._fail(r, "bootstrap timeout: no request from decode" if r.request is None

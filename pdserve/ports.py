@@ -18,12 +18,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Fail before loading anything when another process holds the port."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            why = (f"port {port} is already in use ({exc.strerror})"
-                   if exc.errno == errno.EADDRINUSE else exc.strerror)
-            raise PortInUse(f"cannot listen on {host}:{port}: {why}; stop what holds it or "
-                            f"pass another --port") from exc
+    bind_port(host, port).close()
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The node's HTTP socket, bound now (a taken port fails the start before anything
+    loads) but not listening: connections are refused until `socket.listen()`. A PD node
+    listens right before it registers, so no router learns of it before it accepts
+    connections (they wait in the backlog while the server starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        why = (f"port {port} is already in use ({exc.strerror})"
+               if exc.errno == errno.EADDRINUSE else exc.strerror)
+        raise PortInUse(f"cannot listen on {host}:{port}: {why}; stop what holds it or "
+                        f"pass another --port") from exc
+    return sock
+

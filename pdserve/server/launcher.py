@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from pdserve.http.body_limit import BodyLimitMiddleware
 from pdserve.http.guard import guarded_protocol
-from pdserve.ports import check_port_free
+from pdserve.ports import bind_port, check_port_free
 from pdserve.server.api import build_app
 from pdserve.server.config import ServerConfig
 from pdserve.server.drain import NodeServer, wait_drained
@@ -62,7 +62,7 @@ def stop_process(proc: mp.Process, timeout: float = 10) -> None:
 def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_port_free(cfg.host, cfg.port)
+    http_sock = bind_port(cfg.host, cfg.port)  # listens only once the node is ready
     if cfg.role == "prefill" and cfg.pd.bootstrap_port:  # before loading anything
         check_port_free(cfg.host, cfg.pd.bootstrap_port)
     from transformers import AutoTokenizer
@@ -71,10 +71,11 @@ def serve(cfg: ServerConfig) -> int:
 
     path = resolve_model(cfg.engine.model, cfg.engine.model_cache_dir)  # clear error early
     tokenizer = AutoTokenizer.from_pretrained(path)
-    with tempfile.TemporaryDirectory(prefix="pdserve-") as ipc_dir:
+    with http_sock, tempfile.TemporaryDirectory(prefix="pdserve-") as ipc_dir:
         proc, to_sched, from_sched = start_scheduler(cfg, ipc_dir)
         try:
-            return asyncio.run(_serve_async(cfg, proc, to_sched, from_sched, tokenizer))
+            return asyncio.run(_serve_async(cfg, proc, to_sched, from_sched, tokenizer,
+                                            http_sock))
         finally:
             stop_process(proc)
 
@@ -100,7 +101,7 @@ def _bootstrap_socket(cfg):
     return bind_bootstrap_socket(cfg.host, cfg.pd.bootstrap_port)
 
 
-async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
+async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer, http_sock) -> int:
     ctx = zmq.asyncio.Context()
     client = EngineClient(ctx, to_sched, from_sched, proc)
     proc.start()
@@ -113,6 +114,9 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
         return 1
     client.start()
     front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
+    # Accept connections from here on (they wait in the backlog until uvicorn runs): a
+    # router that learns of us from the registry must never find the port closed.
+    http_sock.listen(2048)
     registry = bootstrap = None
     if cfg.pd is not None:
         from pdserve.disagg.registration import RegistrationFailed
@@ -165,6 +169,6 @@ async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer) -> int:
         access_log=cfg.log_level == "debug", http=guarded_protocol(cfg.http_limits)),
         drain if cfg.pd is not None else None)
     log.info("serving %s (%s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
-    await server.serve()
+    await server.serve(sockets=[http_sock])
     ctx.term()
     return 0

@@ -75,6 +75,40 @@ def test_kill9_receiver_mid_transfer(pair: Pair) -> None:
     check_rooms(pair, rooms)
 
 
+def test_room_aborted_while_writing_to_a_dead_receiver_drains(pair: Pair) -> None:
+    """The router gives up on a request as soon as its decode node dies (the decode leg's
+    connection breaks), so the prefill aborts the room while its write to the dead node
+    is still waiting for an ack. The heartbeat must still forget that peer: otherwise the
+    write waits out the whole transfer timeout, the room never leaves the table, and every
+    other room of the node queues behind it on the one transfer thread."""
+    (victim,) = start_nodes(("decode", pair.backend, FAST))
+    try:
+        rooms = held_rooms(pair, seed=9, n=2)
+        launch(Pair(pair.backend, pair.prefill, victim), rooms)
+        ids = [r["room"] for r in rooms]
+        states = pair.prefill.wait(ids, until=TRANSFERRING, timeout=30)
+        assert all(s == TRANSFERRING for s, _ in states.values()), states
+        victim.kill9()
+        t0 = time.monotonic()
+        pair.prefill.call("release", ids)  # last chunks now written to a dead peer...
+        time.sleep(0.1)
+        pair.prefill.call("abort", ids)  # ... and the request is aborted meanwhile
+        states = pair.prefill.wait(ids, timeout=FAIL_WITHIN_S + 30)
+        assert all(s == FAILED for s, _ in states.values()), states
+        deadline = t0 + FAIL_WITHIN_S
+        while (live := pair.prefill.call("metrics")["live_rooms"]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - t0
+        assert live == 0, f"{live} rooms still tracked {elapsed:.1f}s after the abort"
+        assert elapsed < FAIL_WITHIN_S  # the heartbeat, not FAST's 20 s transfer timeout
+    finally:
+        victim.close()
+    rooms = [make_room(pair, random.Random(10), tokens=33) for _ in range(2)]
+    launch(pair, rooms)
+    check_rooms(pair, rooms)
+
+
 def test_receiver_abort_is_acknowledged(pair: Pair) -> None:
     rooms = held_rooms(pair, seed=5, n=2)
     launch(pair, rooms)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from pd_procs import Proc, Registry, free_port
 
@@ -91,4 +92,28 @@ def test_tokens_from_files_register_and_the_token_stays_out_of_argv(tmp_path_fac
     finally:
         if node is not None:
             node.stop()
+        registry.stop()
+
+
+def test_a_registered_node_already_accepts_connections(tmp_path_factory):
+    """The registry record appears only once the node's HTTP port accepts connections: a
+    router that picks a node the moment it registers must never be refused (it would take
+    the node for dead and open its circuit breaker; seen after restarts in the chaos soak)."""
+    tmp_path = tmp_path_factory.mktemp("r")
+    registry = Registry(tmp_path).start()
+    port = free_port()
+    cmd = node_cmd(registry.url, "--node-id", "early-node")
+    cmd[cmd.index("--port") + 1] = str(port)
+    node = Proc("n4", cmd, tmp_path)
+    try:
+        node.spawn()
+        deadline = time.monotonic() + EXIT_BOUND_S
+        with httpx.Client(timeout=5) as http:  # a kept connection: polls a few ms apart
+            while http.get(f"{registry.url}/v1/nodes/early-node").status_code != 200:
+                assert node.alive and time.monotonic() < deadline, node.log()
+                time.sleep(0.002)
+        # At once, no retry: a refused connection raises ConnectError here.
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code == 200
+    finally:
+        node.stop()
         registry.stop()
