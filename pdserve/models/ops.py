@@ -12,6 +12,7 @@ Shapes: T tokens, H / Hkv query / KV heads, D head dim, B requests, P pages per 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,10 +82,11 @@ class NativeOps(TorchOps):
 
     def linear(self, x, w, b):
         # One row in bfloat16 (a decode step of one request): the kernel reads w at memory
-        # speed, 1.3-1.9x oneDNN here; two rows or more, oneDNN's GEMM is as fast or faster.
+        # speed, 1.3-1.9x oneDNN's GEMM on AVX2, and still ahead of the packed one in a
+        # whole decode step on AVX-512 BF16 (bench/forward.py: 8.1 vs 9.9 ms).
         if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0:
             return self.m.small_linear(x, w, b)
-        if x.dtype == torch.float32 and (wp := self.packed.get(w)) is not None:
+        if x.dtype in self.packed.dtypes and (wp := self.packed.get(w)) is not None:
             return torch.ops.mkldnn._linear_pointwise(x, wp, b, "none", [], "")
         return F.linear(x, w, b)
 
@@ -112,28 +114,37 @@ class NativeOps(TorchOps):
 
 
 class PackedWeights:
-    """float32 weights reordered once into oneDNN's blocked layout (the layout vLLM's CPU
-    linears use too). torch's default float32 GEMM re-packs the weight on every call, which
-    dominates a decode step's small-row products: measured on a 2-core AVX2 EPYC, SmolLM2's
+    """Weights reordered once into oneDNN's blocked layout (the layout vLLM's CPU linears
+    use too). torch's default GEMM re-packs the weight on every call, which dominates a
+    decode step's small-row products. float32, measured on a 2-core AVX2 EPYC: SmolLM2's
     gate_up [3072, 576] at 1/16/512 rows 0.24/0.80/21 ms -> 0.14/0.47/13 ms, the 49152-row
-    LM head at 1 row 10 -> 4 ms. Costs a second copy of every float32 weight (the model keeps
-    its own for the torch ops). Results differ from F.linear only in summation order.
+    LM head at 1 row 10 -> 4 ms. bfloat16 where oneDNN runs it natively (AVX-512 BF16 /
+    AMX; `dtypes` says which), on a 2-core AVX-512 BF16 EPYC: gate_up at 1/16/64 rows
+    0.11/0.18/0.38 -> 0.04/0.08/0.24 ms, the LM head at 16 rows 2.5 -> 1.6 ms, and the same
+    products as F.linear. Costs a second copy of every packed weight (the model keeps its
+    own for the torch ops). float32 results differ from F.linear only in summation order.
     Keyed by the weight tensor; weights never change after loading."""
 
     def __init__(self) -> None:
         self._by_weight: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.usable = torch.backends.mkldnn.is_available()
+        self.dtypes: set[torch.dtype] = set()
+        if torch.backends.mkldnn.is_available():
+            self.dtypes.add(torch.float32)
+            with contextlib.suppress(RuntimeError, AttributeError):
+                if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                    self.dtypes.add(torch.bfloat16)
 
     def get(self, w: torch.Tensor) -> torch.Tensor | None:
-        """The packed form of float32 CPU weight `w` [N, K], or None (use F.linear)."""
+        """The packed form of CPU weight `w` [N, K] (a dtype of `dtypes`), or None (use
+        F.linear)."""
         if (entry := self._by_weight.get(id(w))) is not None:
             return entry[1]  # the entry holds w, so no other tensor can have its id
         packed = None
-        if self.usable and w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu":
+        if w.dtype in self.dtypes and w.dim() == 2 and w.device.type == "cpu":
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
             except (RuntimeError, AttributeError):  # a torch without oneDNN linears
-                self.usable = False
+                self.dtypes.discard(w.dtype)
         self._by_weight[id(w)] = (w, packed)
         return packed
 

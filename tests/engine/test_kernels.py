@@ -131,18 +131,28 @@ def test_small_linear_matches_torch(native, rows, bias):
         native.m.small_linear(x.float(), w.float(), None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_float32_linear_matches_torch(native, rows, bias):
-    """float32 linears use the weight packed once for oneDNN: the same products as F.linear
-    up to summation order; one packed copy per weight, reused; other dtypes are not packed."""
+def test_packed_linear_matches_torch(native, dtype, rows, bias):
+    """Linears use the weight packed once for oneDNN where it runs the dtype (float32
+    always, bfloat16 on CPUs with native bf16): the same products as F.linear up to
+    summation order; one packed copy per weight, reused; other dtypes are not packed."""
     g = torch.Generator().manual_seed(100 + rows)
-    x = torch.randn(rows, 96, generator=g)
-    w = torch.nn.Parameter(torch.randn(200, 96, generator=g))  # as the model holds it
-    b = torch.randn(200, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.nn.Parameter(torch.randn(200, 96, generator=g).to(dtype))  # as the model has it
+    b = torch.randn(200, generator=g).to(dtype) if bias else None
     with torch.inference_mode():
         out = native.linear(x, w, b)
-    close(out, torch.nn.functional.linear(x, w.detach(), b), torch.float32)
+    close(out, torch.nn.functional.linear(x, w.detach(), b), dtype)
     packed = native.packed.get(w)
-    assert packed is not None and packed is native.packed.get(w)
-    assert native.packed.get(w.detach().bfloat16()) is None
+    assert float32_or_native_bf16(native, dtype) == (packed is not None)
+    assert packed is native.packed.get(w)
+    assert native.packed.get(w.detach().half()) is None
+
+
+def float32_or_native_bf16(native, dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
