@@ -53,14 +53,20 @@ def test_kill9_sender_mid_transfer(pair: Pair) -> None:
     check_rooms(pair, [room])
 
 
+def transferring_to(pair: Pair, victim, seed: int, n: int = 4) -> tuple[list[dict], list[int]]:
+    """Held rooms from the pair's prefill to `victim`, each in Transferring."""
+    rooms = held_rooms(pair, seed=seed, n=n)
+    launch(Pair(pair.backend, pair.prefill, victim), rooms)
+    ids = [r["room"] for r in rooms]
+    states = pair.prefill.wait(ids, until=TRANSFERRING, timeout=30)
+    assert all(s == TRANSFERRING for s, _ in states.values()), states
+    return rooms, ids
+
+
 def test_kill9_receiver_mid_transfer(pair: Pair) -> None:
     (victim,) = start_nodes(("decode", pair.backend, FAST))
     try:
-        rooms = held_rooms(pair, seed=3)
-        launch(Pair(pair.backend, pair.prefill, victim), rooms)
-        ids = [r["room"] for r in rooms]
-        states = pair.prefill.wait(ids, until=TRANSFERRING, timeout=30)
-        assert all(s == TRANSFERRING for s, _ in states.values()), states
+        rooms, ids = transferring_to(pair, victim, seed=3)
         victim.kill9()
         t0 = time.monotonic()
         pair.prefill.call("release", ids)  # the last chunks now target a dead peer
@@ -83,11 +89,7 @@ def test_room_aborted_while_writing_to_a_dead_receiver_drains(pair: Pair) -> Non
     other room of the node queues behind it on the one transfer thread."""
     (victim,) = start_nodes(("decode", pair.backend, FAST))
     try:
-        rooms = held_rooms(pair, seed=9, n=2)
-        launch(Pair(pair.backend, pair.prefill, victim), rooms)
-        ids = [r["room"] for r in rooms]
-        states = pair.prefill.wait(ids, until=TRANSFERRING, timeout=30)
-        assert all(s == TRANSFERRING for s, _ in states.values()), states
+        rooms, ids = transferring_to(pair, victim, seed=9, n=2)
         victim.kill9()
         t0 = time.monotonic()
         pair.prefill.call("release", ids)  # last chunks now written to a dead peer...
