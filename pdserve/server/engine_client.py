@@ -47,7 +47,9 @@ class EngineClient:
     async def wait_ready(self, timeout_s: float) -> m.Ready:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.ready is None:
+        # Ready, then the first stats (sent right after it): /server_info and the registry
+        # record never show a node without its scheduler's stats.
+        while self.ready is None or self.stats is None:
             if self.proc is not None and not self.proc.is_alive():
                 raise RuntimeError("scheduler process exited during start-up (see its log)")
             if loop.time() > deadline:
@@ -56,6 +58,8 @@ class EngineClient:
                 msg = m.decode(await self.pull.recv())
                 if isinstance(msg, m.Ready):
                     self.ready = msg
+                elif isinstance(msg, m.Stats):
+                    self.stats = msg
                 elif isinstance(msg, m.Rejected):
                     raise RuntimeError(msg.message)
         return self.ready

@@ -27,12 +27,13 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert prof.transfer_gbps > 0 and len(prof.points["transfer"]) == 2
     assert len(prof.contention) == 2 and prof.contention[1] >= prof.contention[0] == 1.0
     assert prof.background_load >= 0
-    # streamed through a real node and a real 1P1D stack: the stack's path (router, two
-    # legs, handshake, KV transfer) takes longer to the first token than the node's
+    # streamed through a real node and a real 1P1D stack (router, two legs, handshake, KV
+    # transfer). Which of the two reaches its first token sooner is a timing, not checked
+    # here (a loaded CI machine once served the stack's 8 TTFTs faster than the node's).
     serving = prof.points["serving"]
-    assert serving["pd_ttft_s"] > serving["colocated_ttft_s"] > 0
+    assert serving["pd_ttft_s"] > 0 and serving["colocated_ttft_s"] > 0
     assert serving["colocated_tpot_s"] > 0 and serving["pd_tpot_s"] > 0
-    assert prof.pd_request_overhead_s is not None and prof.pd_request_overhead_s > 0
+    assert prof.pd_request_overhead_s is not None and prof.pd_request_overhead_s >= 0
     assert prof.pd_step_overhead_s is not None and prof.pd_step_overhead_s >= 0
     assert 0 < serving["decode_scale"] <= 1 and 0 <= serving["prefill_scale"] <= 1
     assert len(prof.request_jitter_s) == len(prof.pd_request_jitter_s) == 8

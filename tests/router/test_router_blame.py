@@ -25,6 +25,9 @@ def test_decode_503_prefill_unavailable_blames_the_prefill_and_retries(stack, of
              if k not in ("registered_at", "renewed_at", "expires_at", "generation",
                           "previous_instance_id")}
     ghost |= {"node_id": GHOST, "instance_id": uuid.uuid4().hex, "ttl_s": 600}
+    # An idle ghost: a copied load (the real node busy with another module's traffic at
+    # that moment) would sort it behind the real node forever, and it would never be picked.
+    ghost["load"] = {k: 0 for k in ghost.get("load") or {}}
     assert httpx.put(f"{registry}/v1/nodes/{GHOST}", json=ghost, timeout=10).status_code == 201
     # This router reads the registry at start and then only every 10 minutes: it keeps
     # the ghost after the ghost has left the registry. No prefix affinity: by load, ties

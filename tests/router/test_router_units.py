@@ -133,9 +133,11 @@ def test_admission_cancelled_waiter_gives_its_place_back():
         adm = Admission(max_running=1, max_queued=4, timeout_s=5)
         await adm.acquire()
         t = asyncio.create_task(adm.acquire())
-        await asyncio.sleep(0.01)
+        while adm.waiting == 0:  # queued
+            await asyncio.sleep(0.001)
         t.cancel()
-        await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.CancelledError):
+            await t  # however long the cancellation takes on a loaded machine
         assert adm.waiting == 0
         adm.release()
         assert adm.running == 0

@@ -113,14 +113,16 @@ def test_duplicate_rid_is_400_and_leaves_the_original_request_alone(server, offl
     """A second request under the rid of one still running is refused (400); the running
     one is unaffected: it streams to its end, with the offline engine's output."""
     ids = offline.encode(PROMPT)
-    ref = offline.greedy(ids, 100, ignore_eos=True)
+    # Long enough to be still running when the duplicate arrives, even on a fast machine
+    # (100 tokens of tiny-llama were once done before it).
+    ref = offline.greedy(ids, 1000, ignore_eos=True)
     lines: list[str] = []
     errors: list[BaseException] = []
 
     def original() -> None:
         body = {"rid": "taken", "input_ids": ids, "stream": True, "sampling_params": {
-            "max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
-        try:  # ~1-2 s of generation; a stalled stream hits the 20 s read timeout
+            "max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}
+        try:  # a few seconds of generation; a stalled stream hits the 20 s read timeout
             with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=20) as r:
                 lines.extend(ln for ln in r.iter_lines() if ln.strip())
         except BaseException as exc:  # reported below
@@ -134,7 +136,7 @@ def test_duplicate_rid_is_400_and_leaves_the_original_request_alone(server, offl
         time.sleep(0.005)
     dup = _post(server, {"rid": "taken", "text": "intruder",
                          "sampling_params": {"max_new_tokens": 2}})
-    t.join(40)
+    t.join(120)
     assert_error(dup, 400, "duplicate")
     assert not errors, errors
     events = sse_events(lines)
