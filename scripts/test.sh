@@ -24,10 +24,12 @@ else
 fi
 
 ruff check .
-python -m pytest -q "$@"
+# File order (reproducible); scripts/test_shuffled.sh runs the shuffled orders. `no:randomly`
+# keeps it so where pytest-randomly is installed, and is a no-op where it is not.
+python -m pytest -q -p no:randomly "$@"
 if [ "$#" -eq 0 ]; then
     # The router/stack tests run over tcp above; their API part runs again over Mooncake,
     # the product's default transfer backend (tests/router/router_harness.py: BACKEND).
-    PDSERVE_TEST_TRANSFER_BACKEND=mooncake python -m pytest -q -p no:cacheprovider \
+    PDSERVE_TEST_TRANSFER_BACKEND=mooncake python -m pytest -q -p no:cacheprovider -p no:randomly \
         tests/router/test_router_api.py
 fi
