@@ -46,8 +46,10 @@ class RouterConfig:
     stream_stall_timeout_s: float = _opt(20.0, "a decode stream that sends nothing for this "
                                                "many seconds once it has begun is taken for a "
                                                "dead decode node (paused, hung) and migrated "
-                                               "like one (0: off; the request timeout still "
-                                               "bounds it)")
+                                               "like one; so is one with no first event this "
+                                               "long after the prefill node sent the KV "
+                                               "(retried on another pair) (0: off; the request "
+                                               "timeout still bounds it)")
     breaker_failures: int = _opt(3, "consecutive failures that open a node's circuit breaker "
                                     "(a refused connection opens it at once)")
     breaker_cooldown_s: float = _opt(2.0, "first pause of an open breaker before one trial "

@@ -22,8 +22,12 @@ Stall: once the decode node has answered 200, a stream that sends no line for
 `decode_stalled`, exactly like a connection lost mid-stream: a SIGSTOPped or hung node
 keeps its TCP connection open, so only silence tells. The router then closes the
 connection (the node aborts the request once it runs again) and the flow migrates the
-request (pdserve.router.migration). Before the 200 there is no stall timer: the decode
-node answers only once the prefill node's KV arrived, which may rightly take long.
+request (pdserve.router.migration). Before the prefill leg has answered there is no
+stall timer: the decode node answers only once the prefill node's KV arrived, which may
+rightly take long (queues, chunked prefill of a long prompt). Once the prefill node has
+answered 200 (it does so only when all the KV is written), the decode node has what it needs
+for its first event: silence for `stall_s` from then on ends the leg the same way, before
+any output, so the dispatcher tries another pair (a node paused after the KV arrived).
 """
 
 from __future__ import annotations
@@ -175,6 +179,7 @@ class Legs:
         self.tasks: list[asyncio.Task] = []
         self.decoding = False  # the decode leg has sent output
         self.completed = False  # ... and all of it
+        self.prefill_done = asyncio.Event()  # the prefill leg answered 200: all KV sent
         # Logprob requests: the prefill node's answer carries the prompt's and the first
         # token's logprobs (docs/architecture.md: Logprobs); None when not asked.
         self.prefill_answer: asyncio.Future | None = (
@@ -236,7 +241,7 @@ class Legs:
     async def _leg(self, node: NodeState, leg: str, body: dict, outcome: list[str]) -> None:
         try:
             error = await (self._prefill(node, body) if leg == "prefill"
-                           else self._decode(node, body))
+                           else self._first_event_guarded(node, body))
         except Exception as exc:  # not an HTTP error: see unexpected_error
             error = unexpected_error(node, leg, exc)
         if error is None:
@@ -264,6 +269,7 @@ class Legs:
             return transport_error(node, "prefill", exc)
         if resp.status_code != 200:
             return status_error(node, "prefill", resp)
+        self.prefill_done.set()
         if self.prefill_answer is not None:
             try:
                 meta = resp.json()["meta_info"]
@@ -274,6 +280,36 @@ class Legs:
                                 f"bad answer: {exc!r}", node_fault=True)
             self._answer(meta)
         return None
+
+    async def _first_event_guarded(self, node: NodeState, body: dict) -> LegError | None:
+        """The decode leg, ended as stalled when the decode node sends no event `stall_s`
+        after the prefill node sent all the KV (module doc). Retryable: nothing reached
+        the client, and the node aborts the request once it runs again (connection gone)."""
+        leg = asyncio.create_task(self._decode(node, body))
+        if self.stall_s <= 0:
+            return await leg
+        watch = asyncio.create_task(self._first_event_overdue())
+        try:
+            await asyncio.wait({leg, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if leg.done() or self.decoding or self.completed:  # (an event came meanwhile)
+                return await leg
+        finally:
+            watch.cancel()
+            if not leg.done():
+                leg.cancel()  # overdue, or we are cancelled: close the connection
+                await asyncio.gather(leg, return_exceptions=True)
+        log.warning("decode node %s sent no first event %gs after the KV was sent: taken "
+                    "for stalled", node.node_id, self.stall_s)
+        return LegError(node, "decode", 503, f"decode node {node.node_id} sent no first event "
+                        f"{self.stall_s:g}s after the prefill node sent the KV "
+                        "(--stream-stall-timeout-s)", STALLED, retryable=True, node_fault=True)
+
+    async def _first_event_overdue(self) -> None:
+        """Returns when the decode leg is overdue; never once it has sent an event."""
+        await self.prefill_done.wait()
+        await asyncio.sleep(self.stall_s)
+        if self.decoding or self.completed:
+            await asyncio.Future()  # the stream's own stall timer watches from here on
 
     async def _decode(self, node: NodeState, body: dict) -> LegError | None:
         try:

@@ -11,6 +11,8 @@ import asyncio
 import json
 import random
 import time
+import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -96,23 +98,29 @@ def test_client_disconnect_cancels_both_legs(stack, router: str):
     assert generated < long // 2 and freed_after < 10, (generated, freed_after)
 
 
-@pytest.fixture(scope="module")
-def late(launch_nodes, router: str) -> dict:
-    """A decode and a prefill node started after the router (side by side, to save time)."""
-    nodes = launch_nodes(("decode", "decode-late", "--registry-ttl-s", TTL),
-                         ("prefill", "prefill-late", "--registry-ttl-s", TTL))
+@pytest.fixture
+def late(launch_nodes, router: str) -> Iterator[dict]:
+    """A decode and a prefill node started after the router, for this test alone (side by
+    side, to save time; ids unique to the test) and stopped after it: a test that kills
+    one leaves nothing behind for the others, whatever their order. Keyed by role."""
+    tag = uuid.uuid4().hex[:4]
+    nodes = launch_nodes(("decode", f"decode-late-{tag}", "--registry-ttl-s", TTL),
+                         ("prefill", f"prefill-late-{tag}", "--registry-ttl-s", TTL))
     for node_id in nodes:
         _seen_by_router(router, node_id)
-    return nodes
+    yield {node_id.split("-")[0]: node for node_id, node in nodes.items()}
+    for node in nodes.values():
+        node.stop()
 
 
 def test_nodes_started_after_the_router_are_used(router: str, late):
+    dec, pre = late["decode"].node_id, late["prefill"].node_id
     before = legs_ok(router)
     responses = _short_requests(router, 12)
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     after = legs_ok(router)
-    assert after["decode-late"] - before.get("decode-late", 0) >= 2, after
-    _prefix_for(router, "prefill-late")  # some prompts' prefixes now go to the new prefill
+    assert after[dec] - before.get(dec, 0) >= 2, after
+    _prefix_for(router, pre)  # some prompts' prefixes now go to the new prefill
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +135,12 @@ def no_migration_router(stack, tmp_path_factory: pytest.TempPathFactory):
 
 def test_kill9_decode_node(stack, router: str, no_migration_router: str, late, offline):
     """Six greedy streams through each of two routers, spread over three decode nodes;
-    decode-late is killed while all stream. Through the default router (migration limit
+    the late decode node is killed while all stream. Through the default router (migration limit
     3) its streams move to a live pair and finish token for token as the offline engine;
     through the router with --migration-limit 0 they end with a clear error in time."""
     n, long = 6, 400
+    dead = late["decode"].node_id
+    _seen_by_router(no_migration_router, dead)  # (`late` waited for the main router only)
     prompts = [[7 + i] * 20 for i in range(n)]
     started: list[dict] = []
 
@@ -140,37 +150,37 @@ def test_kill9_decode_node(stack, router: str, no_migration_router: str, late, o
                      for r in (router, no_migration_router) for p in prompts]
             while len(started) < 2 * n:  # every stream has its first token
                 await asyncio.sleep(0.05)
-            late["decode-late"].kill9()
+            late["decode"].kill9()
             return time.monotonic(), await asyncio.gather(*tasks)
 
     migrated_before = _counter(router, "pdserve_router_migrations_total", 'outcome="ok"')
     killed_at, results = asyncio.run(run())
     migrating, plain = results[:n], results[n:]
-    assert any(r["decode"] == "decode-late" for r in migrating), migrating
-    assert any(r["decode"] == "decode-late" for r in plain), plain
+    assert any(r["decode"] == dead for r in migrating), migrating
+    assert any(r["decode"] == dead for r in plain), plain
     refs = offline.greedy(prompts, long, ignore_eos=True)
-    for r, ref in zip(migrating, refs, strict=True):  # decode-late's too: migrated
+    for r, ref in zip(migrating, refs, strict=True):  # the dead node's too: migrated
         assert r["error"] is None and r["out"] == ref.output_ids, (r["decode"], r["error"])
         assert r["text"] == ref.text
-    moved = sum(r["decode"] == "decode-late" for r in migrating)
+    moved = sum(r["decode"] == dead for r in migrating)
     assert _counter(router, "pdserve_router_migrations_total",
                     'outcome="ok"') - migrated_before == moved
     for r, ref in zip(plain, refs, strict=True):
-        if r["decode"] == "decode-late":
-            assert r["error"] and "decode-late" in r["error"], r
+        if r["decode"] == dead:
+            assert r["error"] and dead in r["error"], r
             assert "migration-limit" in r["error"] and r["at"] - killed_at < ERROR_BOUND_S
         else:
             assert r["error"] is None and r["out"] == ref.output_ids, r
     # New requests go to the live decode nodes only (the dead one is still registered
     # until its TTL runs out: the breaker keeps requests away meanwhile).
-    before = legs_metric(router, "decode-late")
+    before = legs_metric(router, dead)
     responses = _short_requests(router, 12)
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    assert legs_metric(router, "decode-late") == before
-    for url in (stack.urls["prefill-0"], late["prefill-late"].url, stack.urls["decode-0"],
+    assert legs_metric(router, dead) == before
+    for url in (stack.urls["prefill-0"], late["prefill"].url, stack.urls["decode-0"],
                 stack.urls["decode-1"]):
         wait_pools_full(url)
-    _seen_by_router(router, "decode-late", present=False)  # its record expired
+    _seen_by_router(router, dead, present=False)  # its record expired
 
 
 def _counter(router: str, name: str, labels: str = "") -> float:
@@ -193,8 +203,8 @@ def _prefix_for(router: str, node_id: str) -> list[int]:
 
 
 def test_kill9_prefill_node_mid_request(stack, router: str, late):
-    node = late["prefill-late"]
-    prefix = _prefix_for(router, "prefill-late")
+    node = late["prefill"]
+    prefix = _prefix_for(router, node.node_id)
     rng = random.Random(0)
     n, prompt_len = 24, 1500
     bodies = [_body(prefix + [rng.randrange(300, 40000) for _ in range(prompt_len)], 8)
@@ -203,7 +213,7 @@ def test_kill9_prefill_node_mid_request(stack, router: str, late):
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(_stream(client, router, b, [])) for b in bodies]
-            while router_nodes(router)["prefill-late"]["inflight"] < 3:
+            while router_nodes(router)[node.node_id]["inflight"] < 3:
                 await asyncio.sleep(0.02)
             node.kill9()
             return time.monotonic(), await asyncio.gather(*tasks)
@@ -215,14 +225,14 @@ def test_kill9_prefill_node_mid_request(stack, router: str, late):
     # already streaming has its KV on the decode node and is unaffected.)
     assert all(r["error"] is None and r["ids"] == 8 for r in results), results
     assert _retries(router) > retries_before, "nothing was mid-request at the kill"
-    blamed = sum(legs_metric(router, "prefill-late", o) for o in ("error", "unreachable"))
+    blamed = sum(legs_metric(router, node.node_id, o) for o in ("error", "unreachable"))
     assert blamed >= 1  # the failures were charged to the dead prefill node
     for name in ("decode-0", "decode-1"):
         wait_pools_full(stack.urls[name], timeout_s=30)
-    before = legs_metric(router, "prefill-late")
+    before = legs_metric(router, node.node_id)
     responses = _short_requests(router, 6)
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    assert legs_metric(router, "prefill-late") == before
+    assert legs_metric(router, node.node_id) == before
 
 
 def _retries(router: str) -> float:

@@ -261,17 +261,22 @@ def test_a_silent_decode_stream_is_a_decode_death_and_is_let_go():
     assert is_decode_death(err, "d0")
 
 
-def test_no_stall_timer_before_the_decode_node_answers_nor_when_off():
-    """A decode node that answers late (it waits for the prefill's KV) is not stalled;
-    with the timer off (0) a silent stream is simply waited for."""
+def test_no_stall_timer_before_the_prefill_node_answers_nor_when_off():
+    """A decode node that answers late because the prefill's KV comes late (both legs
+    answer after more than the stall timeout) is not stalled; with the timer off (0) a
+    silent stream is simply waited for."""
+    kv_sent = asyncio.Event()
+
     async def late(request):
         if role_of(request) == "prefill":
+            await asyncio.sleep(1.5)  # > the stall timeout, before either leg answers
+            kv_sent.set()
             return httpx.Response(200, json=GOOD_EVENT)
-        await asyncio.sleep(1.0)  # > the stall timeout, before the 200
+        await kv_sent.wait()
         return httpx.Response(200, content=sse_body())
 
     async def go_late():
-        legs, http = await _legs(late, 0.2)
+        legs, http = await _legs(late, 1.0)
         try:
             return [await asyncio.wait_for(legs.next(), BOUND_S) for _ in range(2)]
         finally:
@@ -295,6 +300,36 @@ def test_no_stall_timer_before_the_decode_node_answers_nor_when_off():
             await http.aclose()
 
     assert asyncio.run(go_off()) is False
+
+
+def test_a_decode_node_silent_after_the_kv_was_sent_is_stalled_and_retryable():
+    """The prefill node answered (all KV written), the decode node sends nothing (paused
+    after the KV arrived): `stall_s` later the leg ends as `decode_stalled`, retryable (no
+    output reached the client) and charged to the decode node, and its connection closes."""
+    closed = asyncio.Event()
+
+    async def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            closed.set()
+
+    async def go():
+        legs, http = await _legs(handler, 0.3)
+        try:
+            with pytest.raises(LegError) as info:
+                await asyncio.wait_for(legs.next(), BOUND_S)
+            await asyncio.wait_for(closed.wait(), BOUND_S)
+            return info.value
+        finally:
+            legs.cancel()
+            await http.aclose()
+
+    err = asyncio.run(go())
+    assert err.code == STALLED and err.retryable and err.node_fault
+    assert err.node.node_id == "d0" and "no first event 0.3s after" in err.message
 
 
 def test_a_request_never_migrates_back_to_a_decode_node_it_left():

@@ -1,23 +1,18 @@
 """Flow control and limits, on a second node started with small limits: oversized body
 -> 413, full waiting queue -> 429, request timeout -> 408; the node keeps serving correct
 outputs afterwards with its pools full. Then schemathesis fuzzes this node's OpenAPI spec
-(the short timeout keeps every generation cheap) and finds no 5xx. Last, its scheduler is
-killed: the open stream ends with an error, /health and requests say 503, and SIGTERM
-still shuts it down cleanly, leaving no process or IPC file behind.
-
-Tests run in file order and share the node."""
+(the short timeout keeps every generation cheap) and finds no 5xx. The tests share the
+node and run in any order (each leaves it idle with its pools full); what happens when its
+scheduler dies is tests/server/test_server_scheduler_death.py, on a node of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -285,62 +280,3 @@ def test_schemathesis_finds_no_server_error(node, tmp_path):
 
 def test_serves_after_fuzzing(node, offline):
     still_correct(node, offline, "fuzzed and fine")
-
-
-# -- scheduler death and shutdown ----------------------------------------------------------------
-def test_scheduler_death_ends_open_streams_and_turns_health_503(node):
-    assert httpx.get(f"{node.url}/health", timeout=10).status_code == 200
-    lines: list[str] = []
-    errors: list[BaseException] = []
-
-    def stream() -> None:
-        body = {"text": "doomed", "stream": True,
-                "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
-        try:
-            with httpx.stream("POST", f"{node.url}/generate", json=body, timeout=60) as r:
-                lines.extend(ln for ln in r.iter_lines() if ln.strip())
-        except BaseException as exc:  # reported by the test below
-            errors.append(exc)
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.monotonic() + 60
-    while len(lines) < 2:
-        assert time.monotonic() < deadline and not errors, ("no stream", errors)
-        time.sleep(0.01)
-    os.kill(node.scheduler_pid(), signal.SIGKILL)
-    t.join(60)
-    assert not t.is_alive(), "the open stream hangs after the scheduler died"
-    assert not errors, errors
-    events = sse_events(lines)
-    assert events[-1] == "[DONE]"  # ended properly, with the error in-band
-    assert "error" in events[-2] and events[-2]["error"]["message"], events[-2]
-
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{node.url}/health", timeout=10).status_code != 503:
-        assert time.monotonic() < deadline, "/health still 200 with the scheduler dead"
-        time.sleep(0.1)
-    assert_error(httpx.get(f"{node.url}/health", timeout=10), 503, "scheduler")
-
-
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
-def test_requests_to_a_node_without_scheduler_are_503(node, path, stream):
-    body = ({"model": MODEL, "prompt": "anyone?", "max_tokens": 4, "stream": stream}
-            if path == "/v1/completions" else
-            {"text": "anyone?", "stream": stream, "sampling_params": {"max_new_tokens": 4}})
-    assert_error(httpx.post(node.url + path, json=body, timeout=20), 503, "scheduler")
-
-
-def test_sigterm_exits_cleanly_even_without_scheduler(node):
-    """SIGTERM to the whole process group (what `timeout`, `kill -- -PGID` or a container
-    runtime send): the node exits promptly with 0, leaving no process and no IPC file."""
-    log_before = node.log()
-    t0 = time.monotonic()
-    rc = node.terminate(timeout=90, group=True)
-    took = time.monotonic() - t0
-    problems = node.exit_problems(rc, log_before=log_before)
-    assert not problems, "\n".join(problems)
-    assert took < 30, took  # promptly: well before the 90 s the test would wait
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{node.url}/health", timeout=5)
