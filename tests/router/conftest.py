@@ -20,8 +20,8 @@ TIGHT_ROUTER_FLAGS = ("--max-running-requests", "1", "--max-queued-requests", "1
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    """`pdserve up --prefill 1 --decode 2`. test_stack_cli ends it with SIGTERM and checks
-    that nothing is left; the teardown here only makes sure of it."""
+    """`pdserve up --prefill 1 --decode 2`, shared by the session; no test stops it
+    (test_stack_cli checks SIGTERM on a stack of its own)."""
     log_dir = tmp_path_factory.mktemp("up")
     up = Up(log_dir)
     up.start()

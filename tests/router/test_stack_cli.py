@@ -1,7 +1,7 @@
-"""`pdserve up` and `pdserve demo` as processes: SIGTERM stops every child of `up` (this
-ends the session's shared stack, so it runs after the router tests), `demo` runs its load
-test and leaves nothing behind, and a taken --port is a clear error before anything
-starts."""
+"""`pdserve up` and `pdserve demo` as processes: SIGTERM stops every child of `up` (a
+stack of its own: the session's shared one must outlive every other test, in any order),
+`demo` runs its load test and leaves nothing behind, and a taken --port is a clear error
+before anything starts."""
 
 from __future__ import annotations
 
@@ -16,8 +16,16 @@ from pdserve.cli import build_parser
 from pdserve.stack.config import DemoConfig, StackConfig
 
 
-def test_up_sigterm_stops_every_process(stack: Up):
-    assert stack.pids.keys() == {"router", "registry", "prefill-0", "decode-0", "decode-1"}
+def test_up_sigterm_stops_every_process(tmp_path):
+    stack = Up(tmp_path, 1, 1).start()
+    try:
+        _sigterm_stops_every_process(stack)
+    finally:
+        stack.stop()
+
+
+def _sigterm_stops_every_process(stack: Up) -> None:
+    assert stack.pids.keys() == {"router", "registry", "prefill-0", "decode-0"}
     t0 = time.monotonic()
     assert stack.terminate() == 0, stack.output()[-3000:]
     assert time.monotonic() - t0 < 40
