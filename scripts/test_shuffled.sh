@@ -41,11 +41,12 @@ for i in $(seq "$runs"); do
     seed=$(python -c "import random; print(random.randrange(1, 2**31))")
     log="$(mktemp -t pdserve-shuffled-XXXXXX.log)"
     start=$(date +%s)
+    echo "run $i/$runs: seed $seed, log $log"
     set +e
     python -m pytest -q -p no:cacheprovider -p randomly --randomly-seed="$seed" "${extra[@]}" >"$log" 2>&1
     rc=$?
     set -e
-    echo "run $i/$runs seed $seed: exit $rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$log")  (log: $log)"
+    echo "run $i/$runs: exit $rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$log")"
     if [ "$rc" != 0 ]; then
         failed=1
         grep -E "^(FAILED|ERROR) " "$log" || true
