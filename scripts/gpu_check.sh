@@ -137,9 +137,17 @@ pd_bench() {
     local rc=$?
     # The nodes' /server_info (transfer counters: bytes, rooms, latency) for the summary.
     "$PY" - "$OUT/stack_up.log" "$OUT/nodes_info.json" <<'PYEOF' || true
-import json, re, sys, httpx
+import json, re, sys, time, httpx
 urls = dict(re.findall(r"^  ((?:prefill|decode)-\d+) +(http://[0-9.:]+)", open(sys.argv[1]).read(), re.M))
-info = {name: httpx.get(f"{url}/server_info", timeout=10).json() for name, url in urls.items()}
+def idle(info):  # the stats are periodic (0.25 s): wait until they show the bench done
+    s = info.get("stats") or {}
+    return s.get("pools_full") and not s.get("running") and not s.get("waiting")
+deadline = time.monotonic() + 20
+while True:
+    info = {name: httpx.get(f"{url}/server_info", timeout=10).json() for name, url in urls.items()}
+    if all(idle(i) for i in info.values()) or time.monotonic() > deadline:
+        break
+    time.sleep(0.25)
 json.dump(info, open(sys.argv[2], "w"), indent=2)
 PYEOF
     kill "$pid" 2>/dev/null   # SIGTERM: `pdserve up` stops every child
