@@ -10,8 +10,8 @@ SGLang's router"):
 - decode legs naming an unknown, unreachable or incompatible prefill by bootstrap address
   are a clear 503 / 400;
 - kill -9 of the prefill node mid-request: every client request through the router ends
-  with an error within a bound, and the decode node's pools return to full (runs last:
-  it takes a prefill node down).
+  with an error within a bound, and the decode node's pools return to full (a prefill
+  node of the test's own: the module's nodes stay up for tests in any order).
 """
 
 from __future__ import annotations
@@ -19,12 +19,21 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from pd_pair import colocated, colocated_greedy, random_prompt
-from sglang_harness import MODEL, SGLANG_ROUTER_VERSION, free_port, post, router_version
+from sglang_harness import (
+    MODEL,
+    PREFILL_FLAGS,
+    SGLANG_ROUTER_VERSION,
+    Node,
+    free_port,
+    post,
+    router_version,
+)
 
 from pdserve.http.protocol import chat_prompt_ids
 from pdserve.sampling_params import SamplingParams
@@ -106,8 +115,8 @@ def test_worker_endpoints_and_batched_body_through_the_router(cluster, r1):
     assert r.status == 200, r
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     for node in (prefill, decode):
-        s = node.wait_pools_full()
-        assert s["free_pages"] < s["total_pages"], s  # the prompt's pages are cached
+        node.wait_pools_full()
+        _wait_some_pages_cached(node)  # the prompt's pages are cached
     assert httpx.post(f"{r1.url}/flush_cache", timeout=30).status_code == 200
     for node in (prefill, decode):
         _wait_all_pages_free(node)
@@ -121,6 +130,15 @@ def test_worker_endpoints_and_batched_body_through_the_router(cluster, r1):
     assert r.status == 400 and "batched requests are not supported" in r.raw, r
     cluster.decodes[0].wait_pools_full()
     cluster.prefills[0].wait_pools_full()
+
+
+def _wait_some_pages_cached(node, timeout: float = 10) -> None:
+    """Stats refresh every 0.25 s: a snapshot from before the request reached the node can
+    still show every page free (a fresh node, or one another test flushed), so poll."""
+    deadline = time.monotonic() + timeout
+    while (s := node.stats())["free_pages"] >= s["total_pages"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.1)
 
 
 def _wait_all_pages_free(node, timeout: float = 10) -> None:
@@ -238,8 +256,21 @@ def _closed_port() -> int:
     return free_port()  # bound and released: nothing listens there
 
 
-def test_kill9_prefill_mid_request_through_the_router(cluster, r1):
-    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+@pytest.fixture
+def own_prefill(cluster) -> Iterator[Node]:
+    """A prefill node of the test's own, so killing it leaves the module's nodes serving
+    whatever test runs next (any order)."""
+    node = Node("prefill", "tcp", cluster.registry, cluster.log_dir, MODEL, PREFILL_FLAGS)
+    node.spawn()
+    try:
+        yield node.wait_ready()
+    finally:
+        node.stop()
+
+
+def test_kill9_prefill_mid_request_through_the_router(cluster, own_prefill):
+    prefill, decode = own_prefill, cluster.decodes[0]
+    r1 = cluster.router([prefill], [decode])
     prompts = [random_prompt(1800, seed=7300 + i) for i in range(6)]
     results: dict[int, object] = {}
 
