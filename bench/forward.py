@@ -46,10 +46,11 @@ def memcpy_read_gbs(mib: int = 256) -> float:
     return (mib / 1024) / best_of(lambda: dst.copy_(src), 5)
 
 
-def meta_for(rows: int, q_len: int, ctx: int, paged: bool = False
+def meta_for(rows: int, q_len: int, ctx: int, paged: bool = False, extend: bool = False
              ) -> tuple[AttnMeta, torch.Tensor, torch.Tensor]:
     """Rows with `ctx` tokens each, the last `q_len` of them new; pages laid out in order.
-    `paged`: one-token rows go to the paged decode kernel (ops that have one)."""
+    `paged`: one-token rows go to the paged decode kernel; `extend`: the others to the
+    paged prompt kernel (ops that have them), as the model runner groups them."""
     pages = -(-ctx // PAGE)
     kv_pages = torch.arange(rows * pages).view(rows, pages)
     slots = (kv_pages[:, :, None] * PAGE + torch.arange(PAGE)).view(rows, -1)[:, :ctx]
@@ -57,12 +58,15 @@ def meta_for(rows: int, q_len: int, ctx: int, paged: bool = False
     key_pos = torch.arange(pages * PAGE)
     mask = (key_pos.view(1, 1, -1) <= q_pos.view(rows, q_len, 1)).unsqueeze(1)
     dec = paged and q_len == 1
+    ext = extend and not dec
     meta = AttnMeta(out_cache_loc=slots[:, ctx - q_len:].reshape(-1), kv_pages=kv_pages,
                     mask=None if dec else mask, q_index=None, batch=0 if dec else rows,
                     max_q=q_len, page_size=PAGE,
                     seq_lens=torch.full((rows,), ctx) if dec else None,
                     decode_pages=kv_pages if dec else None,
-                    fresh_lens=(q_len,) * rows if q_len == ctx else None)
+                    fresh_lens=(q_len,) * rows if q_len == ctx and not ext else None,
+                    extend_starts=(ctx - q_len,) * rows if ext else None,
+                    extend_lens=(q_len,) * rows if ext else None)
     return meta, q_pos.reshape(-1), torch.arange(q_len - 1, rows * q_len, q_len)
 
 
@@ -82,17 +86,18 @@ def measure(model_name: str, dtype: str, kernels: list[str], batches: list[int],
         ids = torch.randint(100, 1000, (b,))
         for k, choice in ops.items():
             model.ops = choice.ops
-            meta, pos, last = meta_for(b, 1, ctx, model.paged_decode())
+            meta, pos, last = meta_for(b, 1, ctx, model.paged_decode(), model.paged_extend())
             step = best_of(lambda: model(ids, pos, meta, pool, last), reps)  # noqa: B023
             rows.append({"dtype": dtype, "kernels": k, "phase": "decode", "batch": b,
                          "ctx": ctx, "ms": 1e3 * step, "tok_s": b / step,
                          "weight_gbs": weight_bytes / 1e9 / step,
                          "of_memcpy": weight_bytes / (1 << 30) / step / bw})
-    meta, pos, last = meta_for(1, prompt, prompt)
     ids = torch.randint(100, 1000, (prompt,))
     for k, choice in ops.items():
         model.ops = choice.ops
-        t = best_of(lambda: model(ids, pos, meta, pool, last[-1:]), max(2, reps // 5))
+        meta, pos, last = meta_for(1, prompt, prompt, extend=model.paged_extend())
+        t = best_of(lambda: model(ids, pos, meta, pool, last[-1:]),  # noqa: B023
+                    max(2, reps // 5))
         rows.append({"dtype": dtype, "kernels": k, "phase": "prefill", "batch": 1,
                      "ctx": prompt, "ms": 1e3 * t, "tok_s": prompt / t})
     return rows

@@ -73,8 +73,9 @@ class Engine:
         self.future_map = FutureMap(cfg.max_running_requests, self.device)
         self.staging = StagingRing(self.device)
         self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role)
-        runner = ModelRunner(model, self.kv_pool, self.future_map,
-                             Sampler(self.device, cfg.seed), self.device, self.hicache)
+        self.runner = runner = ModelRunner(model, self.kv_pool, self.future_map,
+                                           Sampler(self.device, cfg.seed), self.device,
+                                           self.hicache)
         self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length,
                                    self.role)
         self.loop_choice = choose_loop(cfg.requested_loop, self.device)
@@ -219,6 +220,7 @@ class Engine:
         """What this engine runs, for /server_info and logs."""
         return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
                 "kernels": self.ops_choice.kind, "kernels_reason": self.ops_choice.reason,
+                "attention": self.runner.attention_paths(),
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,
                 "tp_size": self.cfg.tp_size, "tp": None if self.tp is None else

@@ -30,6 +30,12 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self._paged_decode = model.paged_decode()  # decode rows read the pool in place
+        self._paged_extend = model.paged_extend()  # and so do prompt rows, where supported
+
+    def attention_paths(self) -> dict[str, str]:
+        """Which attention serves each kind of row (docs/architecture.md: "Engine speed")."""
+        return {"decode": "paged kernel" if self._paged_decode else "sdpa (gathered pages)",
+                "prompt": "paged kernel" if self._paged_extend else "sdpa"}
 
     def run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
         """Forward + sample; returns sampled token ids [R] on the device, and the batch's
@@ -76,7 +82,8 @@ class ModelRunner:
         n_tok = sum(r.q_len for r in sdpa)
         fresh = bool(sdpa) and all(r.start == 0 for r in sdpa)
         mask, kv_pages = None, t["kv_pages"][:b]
-        if sdpa and not fresh:
+        extend = self._paged_extend and bool(sdpa)
+        if sdpa and not fresh and not extend:
             pages = -(-max(r.start + r.q_len for r in sdpa) // ps)
             kv_pages = kv_pages[:, :pages]
             key_pos = torch.arange(pages * ps, device=self.device)
@@ -90,7 +97,9 @@ class ModelRunner:
             page_size=ps,
             seq_lens=t["q_pos"][b:, 0] + 1 if n_dec else None,
             decode_pages=t["kv_pages"][b:] if n_dec else None,
-            fresh_lens=tuple(r.q_len for r in sdpa) if fresh else None,
+            fresh_lens=tuple(r.q_len for r in sdpa) if fresh and not extend else None,
+            extend_starts=tuple(r.start for r in sdpa) if extend else None,
+            extend_lens=tuple(r.q_len for r in sdpa) if extend else None,
             layer_wait=functools.partial(self._wait_layer, op_id=batch.load_barrier)
             if batch.load_barrier else None,
         )

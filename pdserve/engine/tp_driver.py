@@ -76,6 +76,9 @@ class TPModel:
     def paged_decode(self) -> bool:
         return self.model.paged_decode()  # every rank holds the same head shapes
 
+    def paged_extend(self) -> bool:
+        return self.model.paged_extend()
+
     def describe(self, plan: TPPlan, num_pages: int) -> dict:
         """The node's ranks for /server_info: every rank's pool has the same pages (one page
         table) over its own KV heads."""

@@ -1,6 +1,7 @@
 """Builds and loads pdserve's fused CPU kernels (cpu_ops.cpp) as a torch C++ extension.
 
-The extension is compiled once per machine, source and torch version, into
+The extension (cpu_ops.cpp with its bindings, extend_attention.cpp, the helpers in vec.h) is
+compiled once per machine, source and torch version, into
 `~/.cache/pdserve/kernels/<hash>/` (`python -m pdserve.kernels` builds it ahead of time;
 scripts/setup.sh does). It needs a C++ compiler and `ninja`; where either is missing or the
 build fails, `load_cpu_ops()` returns None with the reason in `build_error()`, and the model
@@ -20,12 +21,14 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_ops.cpp", HERE / "extend_attention.cpp"]  # bindings in cpu_ops.cpp
 _state: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    text = b"".join(p.read_bytes() for p in sorted(HERE.glob("*.[ch]*")))  # .cpp, .h
+    key = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
     base = Path(os.path.expanduser("~/.cache/pdserve/kernels"))
     return base / key
 
@@ -41,7 +44,7 @@ def load_cpu_ops(verbose: bool = False) -> ModuleType | None:
         build = cache_dir()
         build.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
-            name=f"pdserve_cpu_ops_{build.name}", sources=[str(SOURCE)],
+            name=f"pdserve_cpu_ops_{build.name}", sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             build_directory=str(build), verbose=verbose)
     except Exception as exc:  # compiler, ninja or headers missing: fall back, say why

@@ -18,13 +18,9 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
-
-template <typename T>
-inline float f(T v) { return static_cast<float>(v); }
-
-template <typename T>
-inline T r(float v) { return static_cast<T>(v); }  // round to the storage dtype
 
 // out[t] = w * T(x[t] * rsqrt(mean(x[t]^2) + eps)), computed in float like HF's RMSNorm.
 template <typename T>
@@ -115,109 +111,6 @@ void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 
 #pragma GCC pop_options
 
-// 16 floats: GCC lowers it to whatever vector width -march=native offers (AVX-512 here).
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline v16 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  v16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-template <typename T>
-inline v16 load16(const T* p) {  // half, double: element by element
-  v16 v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-inline float hsum(v16 v) {  // tree reduction: 4 adds instead of 15
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// exp of 16 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial, scale by
-// 2^n through the exponent bits); within ~2 ulp of libm, inputs clamped to +-88.37.
-inline v16 vexp(v16 x) {
-  const v16 hi = v16{} + 88.3762626647949f;
-  x = x < hi ? x : hi;
-  x = x > -hi ? x : -hi;
-  v16 fx = x * 1.44269504088896341f + 0.5f;
-  i16 n = __builtin_convertvector(fx, i16);
-  v16 nf = __builtin_convertvector(n, v16);
-  i16 over = nf > fx;  // truncation rounded a negative value up: floor is one less
-  n += over;
-  nf = __builtin_convertvector(n, v16);
-  x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v16 z = x * x;
-  v16 y = ((((1.9875691500E-4f * x + 1.3981999507E-3f) * x + 8.3334519073E-3f) * x +
-            4.1665795894E-2f) * x + 1.6666665459E-1f) * x + 5.0000001201E-1f;
-  y = y * z + x + 1.f;
-  i16 bits = (n + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-// softmax numerator in place over s[0, n): exp(s - max); returns 1 / sum (0 when empty).
-inline float exp_normaliser(float* s, int64_t n) {
-  float m = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
-  v16 acc{};
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) {
-    v16 e = vexp(load16(s + t) - m);
-    std::memcpy(s + t, &e, sizeof(e));
-    acc += e;
-  }
-  float sum = hsum(acc);
-  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - m));
-  return sum > 0.f ? 1.f / sum : 0.f;
-}
-
-// Round 16 floats to T's precision and back (bf16: round to nearest even on the top half),
-// and store them as T.
-inline v16 round_as(v16 v, const float*) { return v; }
-inline v16 round_as(v16 v, const c10::BFloat16*) {
-  u32x16 b;
-  std::memcpy(&b, &v, sizeof(b));
-  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
-}
-template <typename T>
-inline v16 round_as(v16 v, const T*) {
-  for (int i = 0; i < 16; ++i) v[i] = f(r<T>(v[i]));
-  return v;
-}
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline void store16(c10::BFloat16* p, v16 v) {  // top halves of the rounded floats
-  v = round_as(v, static_cast<const c10::BFloat16*>(p));
-  u32x16 b;
-  std::memcpy(&b, &v, sizeof(b));
-  u16x16 h = __builtin_convertvector(b >> 16, u16x16);
-  std::memcpy(p, &h, sizeof(h));
-}
-template <typename T>
-inline void store16(T* p, v16 v) {
-  v = round_as(v, p);
-  for (int i = 0; i < 16; ++i) p[i] = static_cast<T>(v[i]);  // exact: already rounded
-}
-
 // out = T(silu(gate)) * up over rows of gate_up [T, 2I] (gate; up), 16 lanes at a time with
 // the vectorised exp; rounds where torch's silu then mul round.
 template <typename T>
@@ -242,19 +135,6 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       }
     }
   });
-}
-
-// Calls fn(t, row) for each position t < len of a request whose pages are `pages`, `row`
-// pointing `off` elements into token t's slot of a pool buffer whose slots are `tok` apart;
-// page by page, so there is no division per token.
-template <typename T, typename Fn>
-inline void for_each_slot(const T* buf, const int64_t* pages, int64_t len, int64_t ps,
-                          int64_t tok, int64_t off, Fn&& fn) {
-  for (int64_t t0 = 0; t0 < len; t0 += ps) {
-    const T* page = buf + pages[t0 / ps] * ps * tok + off;
-    const int64_t n = std::min(ps, len - t0);
-    for (int64_t i = 0; i < n; ++i) fn(t0 + i, page + i * tok);
-  }
 }
 
 // One new token per request attends to its whole context, read in place from the paged pool
@@ -456,6 +336,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
 
 }  // namespace
 
+// extend_attention.cpp
+bool has_extend_attention();
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& kv_pages, const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& q_lens, int64_t page_size, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
@@ -463,4 +349,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("decode_attention", &decode_attention);
   m.def("small_linear", &small_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("has_extend_attention", &has_extend_attention);
+  m.def("extend_attention", &extend_attention);
 }

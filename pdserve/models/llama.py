@@ -67,6 +67,10 @@ class AttnMeta:
     # new-token count of each SDPA row when all of them start at position 0 (fresh prompts,
     # first chunks): their context is exactly this batch's k/v, so attention needs no pool read.
     fresh_lens: tuple[int, ...] | None = None
+    # cached tokens and new tokens of each SDPA row when the ops attend over the pool in
+    # place (`ops.extend_attention`, bf16 on AVX512-BF16 CPUs): no gather, mask or padding
+    extend_starts: tuple[int, ...] | None = None
+    extend_lens: tuple[int, ...] | None = None
     # HiCache: called with the layer id before the layer touches the pool, so a forward
     # waits only for the layers of a pending host->device load it is about to read.
     layer_wait: Callable[[int], None] | None = None
@@ -118,7 +122,11 @@ class Attention(nn.Module):
         outs = []
         if meta.batch:  # SDPA rows: tokens [0, t - n_dec)
             te = t - n_dec
-            if meta.fresh_lens is not None:
+            if meta.extend_lens is not None:  # [te, H*D]
+                outs.append(ops.extend_attention(q[:te], k_buf, v_buf, meta.kv_pages,
+                                                 meta.extend_starts, meta.extend_lens,
+                                                 meta.page_size, self.scale))
+            elif meta.fresh_lens is not None:
                 outs.append(_fresh_attention(q[:te], k[:te], v[:te], meta.fresh_lens,
                                              self.scale))
             else:
@@ -131,6 +139,9 @@ class Attention(nn.Module):
 
     def paged_decode(self, ops: TorchOps) -> bool:
         return ops.paged_decode(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def paged_extend(self, ops: TorchOps, dtype: torch.dtype) -> bool:
+        return ops.paged_extend(dtype, self.num_heads, self.num_kv_heads, self.head_dim)
 
 
 def _linear(ops: TorchOps, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -256,6 +267,11 @@ class CausalLM(nn.Module):
     def paged_decode(self) -> bool:
         """True when decode rows can read the paged pool in place (ops and head shapes)."""
         return self.model.layers[0].self_attn.paged_decode(self.ops)
+
+    def paged_extend(self) -> bool:
+        """True when prompt rows can attend over the paged pool in place (ops, dtype, heads)."""
+        attn = self.model.layers[0].self_attn
+        return attn.paged_extend(self.ops, self.model.embed_tokens.weight.dtype)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, V] fp32 (replaced per instance under TP: models/parallel.py)."""

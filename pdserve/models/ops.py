@@ -37,6 +37,12 @@ class TorchOps:
         False: the model gathers pages into SDPA instead."""
         return False
 
+    def paged_extend(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> bool:
+        """True when `extend_attention` serves prompt rows of this dtype and shape; False:
+        SDPA on the batch's own k/v (fresh rows) or on pages gathered from the pool."""
+        return False
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
 
@@ -71,6 +77,11 @@ class TorchOps:
                          kv_pages: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                          scale: float) -> torch.Tensor:
         raise NotImplementedError("TorchOps gathers pages instead (paged_decode)")
+
+    def extend_attention(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                         kv_pages: torch.Tensor, starts: tuple[int, ...],
+                         lens: tuple[int, ...], page_size: int, scale: float) -> torch.Tensor:
+        raise NotImplementedError("TorchOps runs SDPA instead (paged_extend)")
 
 
 class NativeOps(TorchOps):
@@ -111,6 +122,18 @@ class NativeOps(TorchOps):
     def decode_attention(self, q, k_buf, v_buf, kv_pages, seq_lens, page_size, scale):
         """q [B, H, D] -> [B, H, D]: each row's one new token over its whole context."""
         return self.m.decode_attention(q, k_buf, v_buf, kv_pages, seq_lens, page_size, scale)
+
+    def paged_extend(self, dtype, num_heads, num_kv_heads, head_dim):
+        # bf16 only: the kernel's products are VDPBF16PS (AVX512-BF16); float32 keeps SDPA,
+        # whose summation order the float32 exactness tests against transformers rely on.
+        return (dtype == torch.bfloat16 and self.m.has_extend_attention()
+                and head_dim % 16 == 0 and head_dim <= 256)
+
+    def extend_attention(self, q, k_buf, v_buf, kv_pages, starts, lens, page_size, scale):
+        """q [T, H, D] (rows' new tokens, consecutive) -> [T, H*D]: causal attention over
+        each row's whole context, read from the pool in place."""
+        return self.m.extend_attention(q, k_buf, v_buf, kv_pages, list(starts), list(lens),
+                                       page_size, scale)
 
 
 class PackedWeights:

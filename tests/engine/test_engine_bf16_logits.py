@@ -18,9 +18,10 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 282, 4649, 314
 DECODE = [504, 1345, 314, 253, 1767]
 
 
-def _meta(positions: list[int], paged: bool) -> AttnMeta:
+def _meta(positions: list[int], paged: bool, extend: bool = False) -> AttnMeta:
     """One request whose new tokens sit at `positions` of slots 0.. (pages in order);
-    `paged`: a one-token row goes to the paged decode kernel."""
+    `paged`: a one-token row goes to the paged decode kernel; `extend`: other rows to the
+    paged prompt kernel."""
     q = torch.tensor(positions)
     pages = -(-(positions[-1] + 1) // PAGE)
     key_pos = torch.arange(pages * PAGE)
@@ -30,7 +31,9 @@ def _meta(positions: list[int], paged: bool) -> AttnMeta:
         return AttnMeta(out_cache_loc=q, kv_pages=table[:0], mask=None, q_index=None, batch=0,
                         max_q=0, page_size=PAGE, seq_lens=q + 1, decode_pages=table)
     return AttnMeta(out_cache_loc=q, kv_pages=table, mask=mask, q_index=None, batch=1,
-                    max_q=len(positions), page_size=PAGE)
+                    max_q=len(positions), page_size=PAGE,
+                    extend_starts=(positions[0],) if extend else None,
+                    extend_lens=(len(positions),) if extend else None)
 
 
 def _our_logits(model, layout, kernels: str) -> torch.Tensor:
@@ -38,7 +41,8 @@ def _our_logits(model, layout, kernels: str) -> torch.Tensor:
     pool = KVPool(layout, 4, torch.device("cpu"))
     ids = PROMPT + DECODE
     n = len(PROMPT)
-    rows = [model(torch.tensor(PROMPT), torch.arange(n), _meta(list(range(n)), False), pool,
+    rows = [model(torch.tensor(PROMPT), torch.arange(n),
+                  _meta(list(range(n)), False, model.paged_extend()), pool,
                   torch.tensor([n - 1]))]
     for i, tok in enumerate(DECODE[:-1]):
         pos = n + i
