@@ -1,6 +1,7 @@
 """Builds and loads pdserve's fused CPU kernels (cpu_ops.cpp) as a torch C++ extension.
 
-The extension (cpu_ops.cpp with its bindings, extend_attention.cpp, the helpers in vec.h) is
+The extension (cpu_ops.cpp with its bindings; extend_attention.cpp and decode_bf16.cpp, the
+AVX512-BF16 attention kernels; the helpers in vec.h) is
 compiled once per machine, source and torch version, into
 `~/.cache/pdserve/kernels/<hash>/` (`python -m pdserve.kernels` builds it ahead of time;
 scripts/setup.sh does). It needs a C++ compiler and `ninja`; where either is missing or the
@@ -22,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_ops.cpp", HERE / "extend_attention.cpp"]  # bindings in cpu_ops.cpp
+SOURCES = [HERE / "cpu_ops.cpp", HERE / "extend_attention.cpp", HERE / "decode_bf16.cpp"]
 _state: dict[str, object] = {}
 
 

@@ -200,6 +200,15 @@ void decode_attn_impl(const at::Tensor& q, const at::Tensor& kb, const at::Tenso
 }
 
 void check_cpu(const at::Tensor& t, const char* name);
+}  // namespace
+
+// decode_bf16.cpp: the AVX512-BF16 decode kernel, used for bf16 where it serves the heads
+bool decode_bf16_serves(int64_t H, int64_t Hkv, int64_t D);
+void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                           const at::Tensor& table, const at::Tensor& lens, at::Tensor& out,
+                           int64_t page_size, double scale);
+
+namespace {
 
 // y [M, N] = x [M, K] @ w [N, K]^T (+ bias) for bf16 and a few rows (M <= kMaxRows): a decode
 // step at low batch is a matrix-vector product whose cost is reading w once; oneDNN's bf16
@@ -328,6 +337,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
   auto table = block_table.to(at::kLong).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16 &&
+      decode_bf16_serves(q.size(1), k_buf.size(1), q.size(2))) {
+    decode_attention_bf16(q, k_buf, v_buf, table, lens, out, page_size, scale);
+    return out;
+  }
   PD_DISPATCH(q.scalar_type(), "decode_attention", [&] {
     decode_attn_impl<scalar_t>(q, k_buf, v_buf, table, lens, out, page_size, scale);
   });

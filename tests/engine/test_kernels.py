@@ -86,7 +86,7 @@ def _decode_case(b: int, h: int, hkv: int, d: int, lens: list[int], dtype, ps: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (4, 2, 16)])
 def test_decode_attention_matches_padded_sdpa(native, dtype, h, hkv, d):
     lens = [1, 5, 17, 33, 8]  # one token, partial pages, full pages, rows of unequal length
     q, k_buf, v_buf, meta = _decode_case(len(lens), h, hkv, d, lens, dtype)

@@ -1,8 +1,9 @@
-"""The paged prompt-attention kernel (pdserve/kernels/extend_attention.cpp: bf16, AVX512-BF16):
+"""The AVX512-BF16 attention kernels: prompt rows (pdserve/kernels/extend_attention.cpp)
 against float64 attention and torch's SDPA, the same bits however a prompt is chunked or
 batched, clear errors on bad input, and end to end the same greedy tokens whatever the
-chunk size and loop. On a CPU without AVX512-BF16 the kernel is not built; the tests of it
-are then skipped and only the fallback (SDPA) is checked."""
+chunk size and loop; decode rows (decode_bf16.cpp) against float64 attention. On a CPU
+without AVX512-BF16 these kernels are not built; the tests of them are then skipped and only
+the fallback choice is checked."""
 
 from __future__ import annotations
 
@@ -140,6 +141,23 @@ def test_bad_input_is_a_clear_error(native, starts, lens, needle):
         native.extend_attention(q, k_buf, v_buf, table, starts, lens, PS, 0.2)
     with pytest.raises(RuntimeError, match="bfloat16"):
         native.extend_attention(q.float(), k_buf, v_buf, table, (0,), (20,), PS, 0.2)
+
+
+@needs_kernel
+def test_decode_kernel_matches_float64_attention_to_bf16_rounding(native):
+    """One token per row over contexts of 1, 2, 15-17 (the 16-key score blocks), 31 and 300
+    (odd: the last value pair half empty), for GQA, MHA, one KV head and 16 heads per KV
+    head, head_dim 32-256."""
+    lens = [1, 2, 15, 16, 17, 31, 300]
+    for h, hkv, d in [(9, 3, 64), (4, 4, 32), (8, 1, 128), (16, 1, 64), (2, 1, 256)]:
+        rows = [(n - 1, 1) for n in lens]
+        q, k_buf, v_buf, table = _case(h, hkv, d, rows, seed=h + d)
+        out = native.decode_attention(q, k_buf, v_buf, table, torch.tensor(lens), PS,
+                                      d**-0.5)  # [B, H, D]
+        ref = _reference(q, k_buf, v_buf, table, rows, d**-0.5)
+        err = (out.reshape(len(lens), h * d).double() - ref).abs()
+        bound = ref.abs() * 2**-8 + 1.1 * 2**-9 * v_buf.abs().max().item()
+        assert (err <= bound).all(), (h, hkv, d, (err - bound).max())
 
 
 @needs_kernel
