@@ -38,6 +38,23 @@ constexpr int64_t kR = 4;    // query rows per register tile
 using bf16 = c10::BFloat16;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// exp(x) for the softmax numerators, which are rounded to bf16 (8 significant bits): 2^n * 2^f
+// with n = round(x log2 e), |f| <= 1/2, 2^f by its degree-4 Taylor polynomial (relative
+// error < 5e-5, far below bf16's 2^-9), scaled by VSCALEFPS. x clamped to >= -100 (-inf
+// gives ~0, not NaN). A third of vec.h's float-exact vexp.
+inline __m512 exp_bf16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)),
+                                 _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
 inline __m512i bcast_pair(const uint16_t* p) {  // two adjacent bf16 into every 32-bit lane
   int32_t x;
   std::memcpy(&x, p, sizeof(x));
@@ -79,7 +96,8 @@ struct Scratch {
   std::vector<float> s;     // [rows][kBK] scores
   std::vector<uint16_t> p;  // [rows][kBK] probabilities, bf16 bits
   std::vector<float> o;     // [rows][D] unnormalised output
-  std::vector<float> m, l, alpha;
+  std::vector<float> m, l16, alpha;  // per row: running max, running sum (16 lanes)
+  std::vector<int64_t> last;         // per row: its last visible key (-1: a padding row)
 };
 
 // s[r][0..kBK) = scale * q_r . k_j for the keys of block kb, kR rows at a time.
@@ -106,67 +124,85 @@ void scores(const Scratch& w, const uint16_t* kp, int64_t kb, int64_t rows, int6
   }
 }
 
-// Online softmax of one row's block: keys past `last` masked; updates m and l, writes the
-// bf16 probabilities and the factor alpha that rescales the row's earlier output.
-void softmax_row(const float* s, int64_t k0, int64_t last, float& m, float& l, float& alpha,
-                 uint16_t* p) {
-  const int64_t n = std::clamp<int64_t>(last - k0 + 1, 0, kBK);  // keys visible in the block
-  if (n == 0) {  // the whole block lies past this row's position
-    alpha = 1.f;
-    std::memset(p, 0, kBK * sizeof(uint16_t));
-    return;
+// Online softmax of kR rows' block at once (their dependency chains interleave): row r sees
+// the keys up to last[r] (none: p = 0, alpha = 1). Updates each row's running max m and the
+// 16 lanes of its running sum l16 (reduced once at the end), writes its bf16 probabilities
+// and the factor alpha that rescales its earlier output.
+void softmax_rows(const float* s, int64_t k0, const int64_t* last, float* m, float* l16,
+                  float* alpha, uint16_t* p) {
+  __mmask16 vis[kR][4];  // visible lanes of each vector
+  __m512 x[kR][4];
+  float mb[kR];
+  for (int64_t r = 0; r < kR; ++r) {
+    const int64_t n = last[r] - k0 + 1;  // keys visible in the block (<= 0: none)
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = n - 16 * c;
+      vis[r][c] = _cvtu32_mask16(k >= 16 ? 0xFFFFu : k <= 0 ? 0u : (1u << k) - 1u);
+      x[r][c] = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), vis[r][c], s + r * kBK + c * 16);
+      mx = _mm512_max_ps(mx, x[r][c]);
+    }
+    mb[r] = _mm512_reduce_max_ps(mx);
   }
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  __mmask16 vis[4];  // visible lanes of each vector
-  __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
-  for (int c = 0; c < 4; ++c) {
-    vis[c] = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(c * 16)),
-                                     _mm512_set1_epi32(static_cast<int32_t>(n)));
-    x[c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis[c], _mm512_loadu_ps(s + c * 16));
-    mx = _mm512_max_ps(mx, x[c]);
+  // a new maximum rescales what came before (m = -inf on the first block: alpha ~ 0)
+  alignas(64) float d[16] = {};
+  for (int64_t r = 0; r < kR; ++r) d[r] = mb[r] > m[r] ? m[r] - mb[r] : 0.f;
+  alignas(64) float e[16];
+  _mm512_store_ps(e, exp_bf16(_mm512_load_ps(d)));  // exp(0) is exactly 1
+  for (int64_t r = 0; r < kR; ++r) {
+    alpha[r] = e[r];
+    m[r] = std::max(m[r], mb[r]);
+    const __m512 mv = _mm512_set1_ps(m[r]);
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l16 + r * 16), _mm512_set1_ps(alpha[r]));
+    for (int c = 0; c < 4; ++c) {
+      // masked: an exact 0 (also where m is still -inf and x - m is NaN)
+      x[r][c] = _mm512_maskz_mov_ps(vis[r][c], exp_bf16(_mm512_sub_ps(x[r][c], mv)));
+      sum = _mm512_add_ps(sum, x[r][c]);
+    }
+    for (int c = 0; c < 4; c += 2)  // rounded to bf16 (nearest even), two vectors at a time
+      _mm512_storeu_si512(p + r * kBK + c * 16,
+                          (__m512i)_mm512_cvtne2ps_pbh(x[r][c + 1], x[r][c]));
+    _mm512_storeu_ps(l16 + r * 16, sum);
   }
-  const float mn = std::max(m, _mm512_reduce_max_ps(mx));
-  alpha = std::exp(m - mn);  // m = -inf on the first block: alpha = 0
-  v16 sum{};
-  for (int c = 0; c < 4; ++c) {
-    v16 e = vexp(x[c] - mn);
-    e = _mm512_maskz_mov_ps(vis[c], e);  // masked: an exact 0, not exp(-88)
-    sum += e;
-    store16(reinterpret_cast<bf16*>(p + c * 16), e);
-  }
-  m = mn;
-  l = l * alpha + _mm512_reduce_add_ps(sum);
 }
 
-// o[r] = o[r] * alpha[r] + P[r] . V over the block's keys, kR rows x 4 vectors of dims.
-void accumulate(Scratch& w, const uint16_t* vp, int64_t kb, int64_t rows, int64_t D,
-                int64_t pairs) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kR) {
-    for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
-      const int nc = static_cast<int>(std::min<int64_t>(4, D / 16 - c0));
-      __m512 acc[kR][4];
-      for (int64_t r = 0; r < kR; ++r) {
-        const __m512 a = _mm512_set1_ps(w.alpha[r0 + r]);
-        for (int c = 0; c < nc; ++c)
-          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + (r0 + r) * D + (c0 + c) * 16),
-                                    a);
-      }
-      const uint16_t* vblk = vp + kb * kBK * D;
-      for (int64_t jp = 0; jp < pairs; ++jp) {
-        __m512i vv[4];
-        for (int c = 0; c < nc; ++c)
-          vv[c] = _mm512_loadu_si512(vblk + (jp * D + (c0 + c) * 16) * 2);
-        for (int64_t r = 0; r < kR; ++r) {
-          const __m512i pb = bcast_pair(w.p.data() + (r0 + r) * kBK + 2 * jp);
-          for (int c = 0; c < nc; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(vv[c]),
-                                                                    as_bh(pb));
-        }
-      }
-      for (int64_t r = 0; r < kR; ++r)
-        for (int c = 0; c < nc; ++c)
-          _mm512_storeu_ps(w.o.data() + (r0 + r) * D + (c0 + c) * 16, acc[r][c]);
+// o[r] = o[r] * alpha[r] + P[r] . V over the block's first 2 * `pairs` keys, for kR rows and
+// NC vectors of 16 dims from vector c0 (NC a constant: the accumulators stay in registers).
+template <int NC>
+void accumulate_dims(Scratch& w, const uint16_t* vblk, int64_t r0, int64_t c0, int64_t D,
+                     int64_t pairs) {
+  __m512 acc[kR][NC];
+  for (int64_t r = 0; r < kR; ++r) {
+    const __m512 a = _mm512_set1_ps(w.alpha[r0 + r]);
+    for (int c = 0; c < NC; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + (r0 + r) * D + (c0 + c) * 16), a);
+  }
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    __m512i vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_si512(vblk + (jp * D + (c0 + c) * 16) * 2);
+    for (int64_t r = 0; r < kR; ++r) {
+      const __m512i pb = bcast_pair(w.p.data() + (r0 + r) * kBK + 2 * jp);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(vv[c]),
+                                                                as_bh(pb));
     }
   }
+  for (int64_t r = 0; r < kR; ++r)
+    for (int c = 0; c < NC; ++c)
+      _mm512_storeu_ps(w.o.data() + (r0 + r) * D + (c0 + c) * 16, acc[r][c]);
+}
+
+void accumulate(Scratch& w, const uint16_t* vp, int64_t kb, int64_t rows, int64_t D,
+                int64_t pairs) {
+  const uint16_t* vblk = vp + kb * kBK * D;
+  for (int64_t r0 = 0; r0 < rows; r0 += kR)
+    for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+      switch (std::min<int64_t>(4, D / 16 - c0)) {
+        case 4: accumulate_dims<4>(w, vblk, r0, c0, D, pairs); break;
+        case 3: accumulate_dims<3>(w, vblk, r0, c0, D, pairs); break;
+        case 2: accumulate_dims<2>(w, vblk, r0, c0, D, pairs); break;
+        default: accumulate_dims<1>(w, vblk, r0, c0, D, pairs); break;
+      }
+    }
 }
 
 void run_tile(const Tile& t, const Packed& pk, const bf16* qp, int64_t qrow, int64_t G,
@@ -177,8 +213,10 @@ void run_tile(const Tile& t, const Packed& pk, const bf16* qp, int64_t qrow, int
   w.p.assign(rpad * kBK, 0);
   w.o.assign(rpad * D, 0.f);
   w.m.assign(rpad, -INFINITY);
-  w.l.assign(rpad, 0.f);
+  w.l16.assign(rpad * 16, 0.f);
   w.alpha.assign(rpad, 1.f);
+  w.last.assign(rpad, -1);
+  for (int64_t r = 0; r < rows; ++r) w.last[r] = start + t.i0 + r / G;
   for (int64_t r = 0; r < rows; ++r)  // row r: token i0 + r / G, head hk * G + r % G
     std::memcpy(w.q.data() + r * D, qp + (t.i0 + r / G) * qrow + (t.hk * G + r % G) * D,
                 D * sizeof(bf16));
@@ -186,15 +224,15 @@ void run_tile(const Tile& t, const Packed& pk, const bf16* qp, int64_t qrow, int
   for (int64_t kb = 0; kb * kBK <= last_key; ++kb) {
     const int64_t k0 = kb * kBK;
     scores(w, pk.k.data(), kb, rpad, D, scale, w.s.data());
-    for (int64_t r = 0; r < rows; ++r)
-      softmax_row(w.s.data() + r * kBK, k0, start + t.i0 + r / G, w.m[r], w.l[r], w.alpha[r],
-                  w.p.data() + r * kBK);
+    for (int64_t r = 0; r < rpad; r += kR)
+      softmax_rows(w.s.data() + r * kBK, k0, w.last.data() + r, w.m.data() + r,
+                   w.l16.data() + r * 16, w.alpha.data() + r, w.p.data() + r * kBK);
     const int64_t pairs = (std::min(kBK, last_key - k0 + 1) + 1) / 2;
     accumulate(w, pk.v.data(), kb, rpad, D, pairs);
   }
   for (int64_t r = 0; r < rows; ++r) {
     bf16* o = op + (t.i0 + r / G) * orow + (t.hk * G + r % G) * D;
-    const float inv = 1.f / w.l[r];
+    const float inv = 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(w.l16.data() + r * 16));
     for (int64_t c = 0; c < D; c += 16) store16(o + c, load16(w.o.data() + r * D + c) * inv);
   }
 }
