@@ -23,12 +23,12 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_ops.cpp", HERE / "extend_attention.cpp", HERE / "decode_bf16.cpp"]
+SOURCES = sorted(HERE.glob("*.cpp"))  # one extension; the bindings are in cpu_ops.cpp
 _state: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    text = b"".join(p.read_bytes() for p in sorted(HERE.glob("*.[ch]*")))  # .cpp, .h
+    text = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(HERE.glob("*.h"))])
     key = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
     base = Path(os.path.expanduser("~/.cache/pdserve/kernels"))
     return base / key

@@ -29,7 +29,8 @@ namespace {
 
 #if defined(__AVX512BF16__)
 using bf16 = c10::BFloat16;
-constexpr int64_t kMaxC = 8;  // D / 32 vectors of a head (D <= 256)
+constexpr int64_t kMaxC = 8;   // D / 32 vectors of a head (D <= 256)
+constexpr int64_t kMaxG = 16;  // query heads per KV head
 
 // r[j] = sum of the 16 lanes of v[j], j < 16: pairs, quads, then 128-bit lanes (45 ops).
 inline __m512 reduce16(const __m512* v) {
@@ -143,7 +144,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb
     std::vector<uint16_t> p;
     std::vector<__m512> acc(G * C * 2);
     std::vector<float> tmp(D);
-    __m512i qv[kMaxC * 2][kMaxC];  // G <= 16 heads, C <= 8 vectors
+    std::vector<float> inv(G);
+    __m512i qv[kMaxG][kMaxC];
     for (int64_t task = b0; task < e0; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv, len = lp[b];
       const int64_t stride = (len + 16) / 16 * 16;  // >= len + 1: room for p's pad
@@ -155,7 +157,6 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb
       s.resize(G * stride);
       p.resize(G * stride);
       scores(qv, G, C, krows, len, static_cast<float>(scale), s.data(), stride);
-      std::vector<float> inv(G);
       for (int64_t g = 0; g < G; ++g)
         inv[g] = probabilities(s.data() + g * stride, len, p.data() + g * stride);
       for (auto& a : acc) a = _mm512_setzero_ps();
@@ -181,7 +182,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kb, const at::Tensor& vb
 // True when this build has the kernel and it serves these heads (else: cpu_ops.cpp's).
 bool decode_bf16_serves(int64_t H, int64_t Hkv, int64_t D) {
 #if defined(__AVX512BF16__)
-  return D % 32 == 0 && D <= 256 && H % Hkv == 0 && H / Hkv <= 16;
+  return D % 32 == 0 && D <= 32 * kMaxC && H % Hkv == 0 && H / Hkv <= kMaxG;
 #else
   (void)H, (void)Hkv, (void)D;
   return false;

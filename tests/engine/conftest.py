@@ -8,6 +8,9 @@ import pytest
 import torch
 from engine_helpers import USED, close_all, discard_llm, pool_problems
 
+from pdserve.kernels import build_error, load_cpu_ops
+from pdserve.models.ops import NativeOps
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _engine_session():
@@ -33,3 +36,11 @@ def pools_back_to_full():
             discard_llm(llm)  # do not hand a broken engine to the next test
     USED.clear()
     assert not failures, f"pools not back to full after the test: {failures}"
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeOps:
+    """The fused CPU kernels (pdserve/kernels), which must build on the test machine."""
+    module = load_cpu_ops()
+    assert module is not None, f"the kernels must build on the test machine: {build_error()}"
+    return NativeOps(module)

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import TINY_PROMPTS, get_llm, greedy, pool_problems, run_ids
 
-from pdserve.kernels import build_error, load_cpu_ops
-from pdserve.models.ops import NativeOps, TorchOps
+from pdserve.models.ops import TorchOps
 
 PS = 16
 
@@ -28,13 +27,6 @@ def _cpu_has_avx512_bf16() -> bool:
 
 HAS_BF16 = _cpu_has_avx512_bf16()
 needs_kernel = pytest.mark.skipif(not HAS_BF16, reason="CPU without AVX512-BF16: no kernel")
-
-
-@pytest.fixture(scope="module")
-def native() -> NativeOps:
-    module = load_cpu_ops()
-    assert module is not None, f"the kernels must build on the test machine: {build_error()}"
-    return NativeOps(module)
 
 
 def test_kernel_is_built_exactly_where_the_cpu_has_avx512_bf16(native):

@@ -6,18 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import build_error, load_cpu_ops
 from pdserve.models.llama import AttnMeta, _padded_attention
-from pdserve.models.ops import NativeOps, TorchOps, choose_ops
+from pdserve.models.ops import TorchOps, choose_ops
 
 REF = TorchOps()
-
-
-@pytest.fixture(scope="module")
-def native() -> NativeOps:
-    module = load_cpu_ops()
-    assert module is not None, f"the kernels must build on the test machine: {build_error()}"
-    return NativeOps(module)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
