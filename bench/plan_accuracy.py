@@ -8,15 +8,17 @@
 3. simulator scale (`bench/plan_scale.py`, which also runs the whole hour): 500 nodes
    (250P250D) at 10,000 req/s for `--scale-seconds` simulated seconds with the fast
    simulator, and the projected wall time of one simulated hour.
-Every process of a stack shares this machine's cores: the simulation models that with
-`machine_cores = os.cpu_count()` and the profile's measured contention curve (a step that
-starts while other nodes compute, or while other processes run, is as much slower as the
-profile measured with that many extra runnable threads beyond the background it was
-profiled under). Other processes on the machine are `background_load` = the mean
-count of runnable threads (`/proc/loadavg` field 4, less this sampler) over 2 s just
-before each stack starts (`pred_loaded`); `pred_quiet` assumes none. Both are reported,
-with that count. Simulator speed is timed on a fixed GPU-like reference profile, so it
-does not depend on how loaded this machine was.
+Every node (profiled, and in every stack) runs `--node-threads` forward threads (default:
+the cores split between two nodes, what `pdserve up` gives a 1P1D stack), so the profile
+is of the nodes that serve. Every process of a stack shares this machine's cores: the
+simulation models that with `machine_cores = os.cpu_count()` and the profile's measured
+contention curve (a step that starts while other nodes compute, or while other processes
+run, is as much slower as the profile measured with that many extra runnable threads
+beyond the background it was profiled under). Other processes on the machine are
+`background_load` = the mean count of runnable threads (`/proc/loadavg` field 4, less this
+sampler) over 2 s just before each stack starts (`pred_loaded`); `pred_quiet` assumes
+none. Both are reported, with that count. Simulator speed is timed on a fixed GPU-like
+reference profile, so it does not depend on how loaded this machine was.
 
     python bench/plan_accuracy.py [--quick] [--out bench/out/plan_accuracy.json]
 """
@@ -38,6 +40,7 @@ from plan_scale import measure as scale_measure  # noqa: E402
 
 from pdserve.cli import main as pdserve_main  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.cpus import split_cores  # noqa: E402
 from pdserve.loadtest.arrivals import arrival_times  # noqa: E402
 from pdserve.loadtest.report import row_stat  # noqa: E402
 from pdserve.plan.profile import run_profile  # noqa: E402
@@ -79,11 +82,13 @@ def measure(shape: str, rate: float, args, work: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     common = ["--model", args.model, "--port", str(port)]
-    if c:
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", *common]
+    if c:  # every node runs the profile's forward threads
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", *common, "--threads",
+               str(args.node_threads)]
     else:
         cmd = [sys.executable, "-m", "pdserve.cli", "up", *common, "--prefill", str(p),
                "--decode", str(d), "--transfer-backend", args.transfer_backend,
+               "--node-threads", str(args.node_threads),
                "--log-dir", str(work / f"logs-{shape}")]
     load = os.getloadavg()[0]
     runnable = runnable_now(2.0)
@@ -128,7 +133,11 @@ def main() -> None:
     parser.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake"])
     parser.add_argument("--scale-seconds", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--node-threads", type=int, default=0,
+                        help="forward threads of every node, profiled and served "
+                             "(0: the cores split between two nodes, as `pdserve up` does)")
     args = parser.parse_args()
+    args.node_threads = args.node_threads or split_cores(2)
     args.rate_list = [float(r) for r in (args.rates or ("2,6" if args.quick else "2,4,8"))
                       .split(",")]
     args.num_prompts = args.num_prompts or (30 if args.quick else 80)
@@ -137,7 +146,7 @@ def main() -> None:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="plan-acc-") as tmp:
         work = Path(tmp)
-        prof = run_profile(EngineConfig(model=args.model), quick=True,
+        prof = run_profile(EngineConfig(model=args.model, threads=args.node_threads), quick=True,
                            backend=args.transfer_backend)
         prof.save(work / "profile.json")
         if args.out:  # kept next to the results: `pdserve plan --profile` can reuse it
@@ -190,7 +199,8 @@ def main() -> None:
                            "transfer_gbps": prof.transfer_gbps},
                "scale": sc, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                "profile_loadavg": prof.points["loadavg"],
-               "wall_s": round(time.monotonic() - t0, 1), "model": args.model}
+               "wall_s": round(time.monotonic() - t0, 1), "model": args.model,
+               "node_threads": args.node_threads}
     print("summary:", json.dumps(summary))
     write_json(args.out, summary, rows, args)
 

@@ -52,6 +52,9 @@ class EngineConfig:
     hicache_size: float = 0.0  # host tier in GiB; 0 = from hicache_ratio
     hicache_write_policy: str = "write_through"
     tp_size: int = 1  # ranks of this node (docs/architecture.md: Tensor parallelism)
+    # Forward (torch intra-op) threads; 0 = torch's default, one per core. `pdserve up`
+    # splits the cores between the nodes it starts (docs/architecture.md: CPU threads).
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -74,6 +77,8 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda[:N], got {self.device!r}")
         self._check_hicache()
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: one per core), got {self.threads}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.tp_size > 1 and self.enable_hierarchical_cache:
@@ -132,6 +137,8 @@ _HELP = {
     "kernels": "decoder-layer ops: native (fused CPU kernels, built once with the C++ "
                "compiler), torch (plain PyTorch), or auto (native on CPU when they build, "
                "else torch)",
+    "threads": "forward threads of this node (torch intra-op; 0: one per core). Nodes "
+               "sharing a machine should split its cores: `pdserve up` does",
     "page_size": "tokens per KV page",
     "max_running_requests": "most requests in the running batch",
     "max_total_tokens": "KV pool size in tokens (0: from --kv-cache-mb)",

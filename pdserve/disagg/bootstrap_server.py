@@ -27,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdserve.http.errors import error_response, install_error_handlers
-from pdserve.ports import check_port_free
+from pdserve.ports import check_port_free, tcp_socket
 
 PUBLIC_FIELDS = ("node_id", "instance_id", "role", "http_url", "kv_endpoint",
                  "transfer_session", "transfer_backend", "model", "page_size", "kv_layout",
@@ -37,7 +37,7 @@ PUBLIC_FIELDS = ("node_id", "instance_id", "role", "http_url", "kv_endpoint",
 def bind_bootstrap_socket(host: str, port: int) -> socket.socket:
     """Listening socket for the endpoint; raises ports.PortInUse with a clear message."""
     check_port_free(host, port)  # a taken port (or bad host) as one clear PortInUse line
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock = tcp_socket(socket.AF_INET6 if ":" in host else socket.AF_INET)  # no Nagle
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)

@@ -45,6 +45,8 @@ class Engine:
     def __init__(self, cfg: EngineConfig, role: Role | None = None) -> None:
         self.cfg = cfg
         self.role = role or Role()
+        if cfg.threads:  # before anything runs a parallel op (and before the loop choice)
+            torch.set_num_threads(cfg.threads)
         self.device = cfg.torch_device()
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, self.device,
                                               cfg.model_cache_dir)

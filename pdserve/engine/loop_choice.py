@@ -12,10 +12,11 @@ are reported in `/server_info` and by `pdserve generate`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.cpus import usable_cores
 
 LOOPS = ("auto", "overlap", "normal")
 
@@ -28,13 +29,6 @@ class LoopChoice:
     @property
     def overlap(self) -> bool:
         return self.loop == "overlap"
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def choose_loop(requested: str, device: torch.device) -> LoopChoice:

@@ -44,6 +44,8 @@ def serve(cfg: EngineConfig, rank: int, port: int, replies) -> None:
     device = rank_device(cfg.torch_device(), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if cfg.threads:  # every rank runs the forward with the node's thread count
+        torch.set_num_threads(cfg.threads)
     loaded = load_model(cfg.model, cfg.dtype, device, cfg.model_cache_dir)
     loaded.model.ops = choose_ops(cfg.kernels, device).ops  # the same ops as rank 0
     plan = plan_tp(loaded.hf_config, cfg.tp_size, rank)

@@ -4,8 +4,10 @@ A node's forward runs `torch_threads` threads that meet at a barrier after every
 when another runnable thread takes one of their cores, the whole step waits for the
 preempted thread's next time slice. On a machine whose cores the node's threads fill, one
 extra runnable thread costs far more than its share (bench/results/plan_accuracy-*.json:
-steps 10-40x slower inside a 2-core PD stack than alone), so a linear CPU-share model
-(`n_threads / cores`) under-predicts badly. This measures the curve instead: the median
+steps 10-40x slower inside a 2-core PD stack than alone, when every node ran one thread
+per core; `pdserve up` now splits the cores, and a 1-thread node's curve measured
+[1.0, 1.0, 1.04]), so a linear CPU-share model (`n_threads / cores`) under-predicts badly
+wherever threads outnumber cores. This measures the curve instead: the median
 time of one fixed decode batch with `k` = 0, 1, 2, ... spinning processes beside it
 (`slowdown[k]` = that median / the median at k = 0; non-decreasing, >= 1). Other processes
 already on the machine (`runnable_now`, recorded as the profile's `background_load`) sit

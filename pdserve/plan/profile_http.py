@@ -46,7 +46,7 @@ def _free_port() -> int:
 def _engine_flags(cfg: EngineConfig, model: bool = True) -> list[str]:
     keys = ("model",) * model + ("dtype", "page_size", "max_running_requests", "kv_cache_mb",
             "max_total_tokens", "chunked_prefill_size", "max_prefill_tokens", "loop",
-            "decode_reserve_tokens")
+            "decode_reserve_tokens", "threads")
     out = []
     for k in keys:
         out += ["--" + k.replace("_", "-"), str(getattr(cfg, k))]

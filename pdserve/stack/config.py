@@ -29,6 +29,9 @@ class StackConfig:
                                      "(empty: mooncake where it loads, else tcp)",
                                  choices=TRANSFER_BACKENDS,
                                  metavar="{mooncake,tcp}")
+    node_threads: int = _opt(0, "forward threads of each node (0: this machine's cores "
+                                "split evenly between the nodes, at least 1; a --threads "
+                                "in --node-args wins)")
     node_args: str = _opt("", "extra flags for every node, e.g. '--max-running-requests 32'")
     router_args: str = _opt("", "extra flags for the router, e.g. '--queue-timeout-s 5'")
     registry_token: str = _opt("", "bearer token the registry requires for writes")
@@ -49,6 +52,8 @@ class StackConfig:
                 raise ValueError(f"{flag} must be in 0..65535, got {port}")
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError("--transfer-backend must be mooncake or tcp")
+        if self.node_threads < 0:
+            raise ValueError("--node-threads must be >= 0 (0: split the cores)")
         if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("--startup-timeout-s and --stop-timeout-s must be > 0")
         for flag, text in (("--node-args", self.node_args), ("--router-args", self.router_args)):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.cpus import split_cores, usable_cores
 from pdserve.ports import check_port_free, free_port
 from pdserve.stack.child import Child
 from pdserve.stack.config import StackConfig
@@ -54,6 +55,7 @@ class Stack:
         self.registry_url = ""
         self.router_url = ""
         self.backend = cfg.transfer_backend
+        self.node_threads = cfg.node_threads
         self.http = httpx.Client(trust_env=False)
 
     # ---- start ---------------------------------------------------------------------------
@@ -68,6 +70,11 @@ class Stack:
         except (ValueError, RuntimeError, OSError) as exc:
             raise StackError(f"--model {cfg.model!r}: {exc}") from exc
         self.backend = cfg.transfer_backend or self._default_backend()
+        nodes = cfg.prefill + cfg.decode
+        self.node_threads = cfg.node_threads or split_cores(nodes)
+        if not cfg.node_threads:
+            self.say(f"  {nodes} nodes share {usable_cores()} cores: "
+                     f"{self.node_threads} forward thread(s) each (--node-threads)")
         t0 = time.monotonic()
         self._start_registry(t0 + cfg.startup_timeout_s)
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
@@ -109,8 +116,8 @@ class Stack:
                "--registry", self.registry_url, "--node-id", name]
         if cfg.registry_token:
             cmd += ["--registry-token-file", self._token_file()]
-        cmd += ["--transfer-backend", self.backend]
-        cmd += shlex.split(cfg.node_args)
+        cmd += ["--transfer-backend", self.backend, "--threads", str(self.node_threads)]
+        cmd += shlex.split(cfg.node_args)  # last: its flags win (argparse keeps the last)
         return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
 
     def _token_file(self) -> str:

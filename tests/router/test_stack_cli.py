@@ -10,18 +10,30 @@ import socket
 import subprocess
 import time
 
+import httpx
 from router_harness import BACKEND, REPO, Up, group_alive, pdserve
 
 from pdserve.cli import build_parser
+from pdserve.cpus import split_cores
 from pdserve.stack.config import DemoConfig, StackConfig
 
 
 def test_up_sigterm_stops_every_process(tmp_path):
     stack = Up(tmp_path, 1, 1).start()
     try:
+        _nodes_split_the_cores(stack)
         _sigterm_stops_every_process(stack)
     finally:
         stack.stop()
+
+
+def _nodes_split_the_cores(stack: Up) -> None:
+    """Two nodes on one machine: each runs its share of the cores, and `up` says so."""
+    want = split_cores(2)
+    for name in ("prefill-0", "decode-0"):
+        info = httpx.get(stack.urls[name] + "/server_info", timeout=10).json()
+        assert info["engine"]["torch_threads"] == want, (name, info["engine"])
+    assert f"{want} forward thread(s) each" in stack.output()
 
 
 def _sigterm_stops_every_process(stack: Up) -> None:

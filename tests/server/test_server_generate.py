@@ -147,7 +147,7 @@ def test_duplicate_rid_is_400_and_leaves_the_original_request_alone(server, offl
 
 def test_server_info_names_the_loop_and_why(server):
     """The automatic loop choice is visible: which loop, why, on what device and dtype."""
-    from pdserve.engine.loop_choice import usable_cores
+    from pdserve.cpus import usable_cores
 
     eng = server.info()["engine"]
     assert eng["loop"] in ("overlap", "normal") and eng["loop_reason"].startswith("auto: ")
