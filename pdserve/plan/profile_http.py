@@ -11,7 +11,7 @@ most of a short request's TTFT (median of 20 single requests at load ~2; ~20 ms 
   (which sees it at its next 2 ms poll), the commit at the decode node's next poll, and
   every token through the decode node's HTTP process, the router and back to the client;
   on a machine whose cores the forward fills, that per-token work also slows each step.
-Each path gets 8 streaming requests one at a time, timed from the SSE lines as `pdserve
+Each path gets 16 streaming requests one at a time, timed from the SSE lines as `pdserve
 bench` times them; the medians (`_typical`) less what the fitted step and transfer models
 explain become the overheads (docs/architecture.md: Capacity planning):
 - `step_overhead_s` / `pd_step_overhead_s`: TPOT minus the profiled decode step
@@ -75,9 +75,11 @@ def _typical(client: httpx.Client, url: str, ids: list[int], new: int,
     Not the least: the path's own jitter (2 ms polls on both nodes, three event loops)
     is part of every request, so the best of 8 PD TTFTs was half the bench's p50 on a
     quiet machine; and the router sometimes passes a late first token with the next
-    ones, which shortens that stream's TPOT below any decode step."""
+    ones, which shortens that stream's TPOT below any decode step.
+    Each request's prompt is `ids` rotated by its index: no two share a first page, so
+    none is served from the prefix cache (a workload's prompts are not either)."""
     _stream(client, url, ids, new)
-    runs = [_stream(client, url, ids, new) for _ in range(reps)]
+    runs = [_stream(client, url, ids[r + 1:] + ids[:r + 1], new) for r in range(reps)]
     return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
             sorted(r[0] for r in runs))
 
@@ -161,7 +163,7 @@ def _jitter(measured: tuple) -> list[float]:
 
 
 def measure_overheads(cfg: EngineConfig, prof, backend: str = "tcp", pd: bool = True,
-                      prompt: int = 64, new: int = 32, reps: int = 8,
+                      prompt: int = 64, new: int = 32, reps: int = 16,
                       timeout_s: float = 300) -> dict:
     """Colocated node (`pdserve serve`), then with `pd` a 1P1D stack (`pdserve up`): both
     timed with streaming requests; returns `overheads(...)` (seconds)."""

@@ -36,7 +36,19 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert prof.pd_request_overhead_s is not None and prof.pd_request_overhead_s >= 0
     assert prof.pd_step_overhead_s is not None and prof.pd_step_overhead_s >= 0
     assert 0 < serving["decode_scale"] <= 1 and 0 <= serving["prefill_scale"] <= 1
-    assert len(prof.request_jitter_s) == len(prof.pd_request_jitter_s) == 8
+    assert len(prof.request_jitter_s) == len(prof.pd_request_jitter_s) == 16
     path = tmp_path / "p.json"
     prof.save(path)
     assert Profile.load(path) == prof
+
+
+def test_engine_steps_are_timed_on_the_normal_loop_whatever_the_nodes_loop():
+    """An overlapped `step()` returns once the next forward is launched: timed around it,
+    the forward would be missing from every point."""
+    from pdserve.plan.profile import measure_engine
+
+    plan = {**TINY_PLAN, "contention_levels": 0}
+    info, _ = measure_engine(EngineConfig(model="tiny-llama", loop="overlap",
+                                          max_total_tokens=4096), plan, log=lambda *_: None)
+    assert info["describe"]["loop"] == "normal"
+    assert info["extend"] and info["decode"]
