@@ -26,10 +26,12 @@ def plan_values(prof: Profile, cluster: ClusterSpec, backend: str) -> dict:
                     "maxRunningRequests": int(e["max_running_requests"]),
                     "kvCacheMb": int(e["kv_cache_mb"]),
                     "chunkedPrefillSize": int(e["chunked_prefill_size"]),
+                    "threads": prof.torch_threads,  # the forward threads it was profiled at
                     "extraArgs": engine_args},
         "decode": {"replicas": cluster.decode,
                    "maxRunningRequests": int(e["max_running_requests"]),
                    "kvCacheMb": int(e["kv_cache_mb"]),
+                   "threads": prof.torch_threads,
                    "extraArgs": list(engine_args)},
     }
 

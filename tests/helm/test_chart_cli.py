@@ -85,6 +85,7 @@ def test_parsed_node_config_carries_chart_values(render, values):
         assert ns.tp_size == v["engine"].get("tpSize", 1)
         assert ns.transfer_backend == v["transfer"]["backend"]
         assert ns.max_running_requests == v[argv[0]]["maxRunningRequests"]
+        assert ns.threads == v[argv[0]].get("threads", 0)  # pods sharing a host split it
         if v["rdma"]["enabled"]:
             assert (ns.mooncake_protocol, ns.mooncake_device) == ("rdma", v["rdma"]["device"])
 

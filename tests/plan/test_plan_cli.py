@@ -43,6 +43,8 @@ def test_plan_ranks_writes_values_plot_and_json(profile, tmp_path, capsys):
     vals = yaml.safe_load(values.read_text())
     check_keys(vals)  # every key exists in helm/pdserve/values.yaml
     assert vals["prefill"]["replicas"] >= 1 and vals["engine"]["pageSize"] == 16
+    # the nodes run the forward threads the profile measured them at
+    assert vals["prefill"]["threads"] == vals["decode"]["threads"] >= 1
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

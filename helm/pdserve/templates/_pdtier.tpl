@@ -136,6 +136,8 @@ spec:
             - {{ $tier.maxRunningRequests | quote }}
             - --kv-cache-mb
             - {{ $tier.kvCacheMb | quote }}
+            - --threads
+            - {{ $tier.threads | default 0 | quote }}
             {{- if eq $role "prefill" }}
             - --chunked-prefill-size
             - {{ $tier.chunkedPrefillSize | quote }}
