@@ -55,7 +55,7 @@ class Stack:
         self.registry_url = ""
         self.router_url = ""
         self.backend = cfg.transfer_backend
-        self.node_threads = cfg.node_threads
+        self.node_threads = cfg.node_threads or split_cores(cfg.prefill + cfg.decode)
         self.http = httpx.Client(trust_env=False)
 
     # ---- start ---------------------------------------------------------------------------
@@ -70,10 +70,8 @@ class Stack:
         except (ValueError, RuntimeError, OSError) as exc:
             raise StackError(f"--model {cfg.model!r}: {exc}") from exc
         self.backend = cfg.transfer_backend or self._default_backend()
-        nodes = cfg.prefill + cfg.decode
-        self.node_threads = cfg.node_threads or split_cores(nodes)
         if not cfg.node_threads:
-            self.say(f"  {nodes} nodes share {usable_cores()} cores: "
+            self.say(f"  {cfg.prefill + cfg.decode} nodes share {usable_cores()} cores: "
                      f"{self.node_threads} forward thread(s) each (--node-threads)")
         t0 = time.monotonic()
         self._start_registry(t0 + cfg.startup_timeout_s)
