@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from pdserve.http.errors import ApiError
 
@@ -38,17 +39,19 @@ async def start_all(streams: list[AsyncIterator], started) -> list[AsyncIterator
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
     if len(streams) == 1:  # the common case: no tasks, no queue
-        async for ev in streams[0]:
-            yield ev if isinstance(ev, ApiError) else (0, ev)
-            if isinstance(ev, ApiError):
-                return
+        async with aclosing(streams[0]) as stream:
+            async for ev in stream:
+                yield ev if isinstance(ev, ApiError) else (0, ev)
+                if isinstance(ev, ApiError):
+                    return
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator) -> None:
         try:
-            async for ev in stream:
-                await queue.put(ev if isinstance(ev, ApiError) else (i, ev))
+            async with aclosing(stream):
+                async for ev in stream:
+                    await queue.put(ev if isinstance(ev, ApiError) else (i, ev))
         except ApiError as exc:
             await queue.put(exc)
         except Exception as exc:  # a bug in one choice still ends the answer cleanly

@@ -5,6 +5,7 @@ finish_reason, output_logprobs, prompt_logprobs`."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pdserve.http.errors import ApiError
@@ -96,38 +97,39 @@ async def openai_stream(items, shape: Shape, include_usage: bool):
     states: dict[int, _ChoiceState] = {}
     rid = None
     obj = "chat.completion.chunk" if shape.chat else "text_completion"
-    async for item in items:
-        if isinstance(item, ApiError):
-            yield _error(item)
-            break
-        i, ev = item
-        st = states.setdefault(i, _ChoiceState())
-        rid = rid or ev.rid
-        base = {"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,
-                "model": shape.model}
-        if shape.chat and not st.started:
-            yield sse({**base, "choices": [{"index": i, "delta": {
-                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-        first = not st.started
-        st.started, st.last = True, ev
-        new_tokens = len(ev.output_ids) > st.sent_tokens
-        echo = first and not shape.chat and shape.echo_text
-        if not (ev.delta or ev.finish_reason or echo or
-                (new_tokens and shape.logprobs is not None)):
-            continue
-        lp = _logprobs(shape, ev, st.sent_tokens, first, st.offset)
-        st.sent_tokens = len(ev.output_ids)
-        finish = FINISH.get(ev.finish_reason, ev.finish_reason)
-        if shape.chat:
-            delta = {"content": ev.delta} if ev.delta else {}
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
-            text = (shape.echo_text if first else "") + ev.delta
-            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
-            if lp is not None:
-                st.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] \
-                    else st.offset
-        yield sse({**base, "choices": [choice]})
+    async with aclosing(items):
+        async for item in items:
+            if isinstance(item, ApiError):
+                yield _error(item)
+                break
+            i, ev = item
+            st = states.setdefault(i, _ChoiceState())
+            rid = rid or ev.rid
+            base = {"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,
+                    "model": shape.model}
+            if shape.chat and not st.started:
+                yield sse({**base, "choices": [{"index": i, "delta": {
+                    "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            first = not st.started
+            st.started, st.last = True, ev
+            new_tokens = len(ev.output_ids) > st.sent_tokens
+            echo = first and not shape.chat and shape.echo_text
+            if not (ev.delta or ev.finish_reason or echo or
+                    (new_tokens and shape.logprobs is not None)):
+                continue
+            lp = _logprobs(shape, ev, st.sent_tokens, first, st.offset)
+            st.sent_tokens = len(ev.output_ids)
+            finish = FINISH.get(ev.finish_reason, ev.finish_reason)
+            if shape.chat:
+                delta = {"content": ev.delta} if ev.delta else {}
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                text = (shape.echo_text if first else "") + ev.delta
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                if lp is not None:
+                    st.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] \
+                        else st.offset
+            yield sse({**base, "choices": [choice]})
     lasts = [states[i].last for i in sorted(states)]
     if include_usage and lasts:
         yield sse({"id": shape.rid_prefix + rid, "object": obj, "created": shape.created,

@@ -14,10 +14,11 @@ import asyncio
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.http.choices import merge
 from pdserve.http.errors import ApiError, error_body, error_response, install_error_handlers
+from pdserve.http.event_stream import EventStream
 from pdserve.http.logprob_format import TokenText
 from pdserve.http.openai_format import final_response, openai_stream
 from pdserve.http.openai_plan import make_plan, sglang_fields
@@ -39,13 +40,14 @@ class ClientGone(Exception):
     pass
 
 
-class FlowResponse(StreamingResponse):
-    """A streaming response that closes its flow however the response ends, including a
-    client that left before the first byte (the body generator never runs then)."""
+class FlowResponse(EventStream):
+    """A streaming response that closes its flows however the response ends, including a
+    client that left before the first byte (the body generator never runs then). The
+    close is synchronous: it stops both legs before anything else can be awaited."""
 
     def __init__(self, flows: Flow | list[Flow], content) -> None:
         flows = flows if isinstance(flows, list) else [flows]
-        super().__init__(content, media_type="text/event-stream", headers=flows[0].headers)
+        super().__init__(content, headers=flows[0].headers)
         self.flows = flows
 
     async def __call__(self, scope, receive, send) -> None:

@@ -4,11 +4,14 @@ health, metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "code"}
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pdserve.http.choices import last_events, merge, start_all
 from pdserve.http.errors import ApiError, error_body, error_response, install_error_handlers
+from pdserve.http.event_stream import EventStream
 from pdserve.http.logprob_format import TokenText, sglang_meta
 from pdserve.http.openai_format import final_response, openai_stream
 from pdserve.http.openai_plan import make_plan
@@ -94,8 +97,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         # (a decode leg waiting for its KV), and a leg its router gave up on must end here.
         run = front.run(ids, sp, body.rid, extra, request.is_disconnected)
         if body.stream:
-            return StreamingResponse(_generate_sse(await _started(run), ids, start),
-                                     media_type="text/event-stream")
+            return EventStream(_generate_sse(await _started(run), ids, start))
         last = None
         async for ev in run:
             last = ev
@@ -131,8 +133,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
                                                  disconnected=request.is_disconnected)
                                        for sp in plan.samplings], _started)
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(openai_stream(merge(streams), plan.shape, usage),
-                                     media_type="text/event-stream")
+            return EventStream(openai_stream(merge(streams), plan.shape, usage))
         streams = [front.run(ids, sp, extra=extra, disconnected=request.is_disconnected)
                    for sp in plan.samplings]
         if len(streams) > 1:
@@ -168,11 +169,12 @@ async def _started(events):
 
 
 async def _generate_sse(events, ids: list[int], start: int | None):
-    async for ev in events:
-        if isinstance(ev, ApiError):
-            yield sse(error_body(ev))
-            break
-        yield sse(_generate_obj(ev, ids, start))
+    async with aclosing(events):
+        async for ev in events:
+            if isinstance(ev, ApiError):
+                yield sse(error_body(ev))
+                break
+            yield sse(_generate_obj(ev, ids, start))
     yield "data: [DONE]\n\n"
 
 

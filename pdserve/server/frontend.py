@@ -139,7 +139,9 @@ class Frontend:
             self.client_rids.discard(rid)
             if not done:  # disconnect, timeout or error: still counted
                 self.metrics.requests.labels("abort").inc()
-                await self.client.abort(internal)
+                # Shielded: this may run in a response cancelled because its client left,
+                # where an unshielded await that has to wait would drop the abort.
+                await asyncio.shield(self.client.abort(internal))
             self.client.release(internal)
         self._observe_end(t0, first, len(ids), len(detok.ids), u.finish_reason)
 

@@ -74,6 +74,12 @@ def _short_requests(router: str, n: int) -> list[httpx.Response]:
     return asyncio.run(run())
 
 
+def _metric_lines(url: str, name: str) -> list[str]:
+    """A failure's evidence: the samples of one metric of a node or router."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return [line for line in text.splitlines() if line.startswith(name)]
+
+
 def _seen_by_router(router: str, node_id: str, present: bool = True) -> None:
     wait_until(lambda: (node_id in router_nodes(router)) == present, 10,
                f"router to {'see' if present else 'drop'} {node_id}")
@@ -98,7 +104,9 @@ def test_client_disconnect_cancels_both_legs(stack, router: str):
         wait_pools_full(url, timeout_s=20)
     freed_after = time.monotonic() - closed
     generated = sum(generated_tokens(u) for u in decodes) - before
-    assert generated < long * 3 // 4 and freed_after < 10, (generated, freed_after)
+    assert generated < long * 3 // 4 and freed_after < 10, (
+        generated, freed_after, {u: _metric_lines(u, "pdserve_requests_total") for u in decodes},
+        _metric_lines(router, "pdserve_router_node_requests_total"))
 
 
 @pytest.fixture
