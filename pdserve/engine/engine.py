@@ -29,16 +29,11 @@ from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
 from pdserve.models.loader import LoadedModel, load_model
 from pdserve.models.ops import choose_ops
+from pdserve.models.tokenizer import load_tokenizer
 from pdserve.prompt_check import check_prompt_ids
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class Engine:

@@ -1,8 +1,9 @@
 """The router tokenizes each request once, exactly as a node would (no special tokens for
 plain prompts, the model's chat template for chat), and hands token ids to both legs.
 
-transformers is imported here only (it brings torch along on its own; the router itself
-never uses torch). The context length comes from the model's config.json.
+transformers is imported here only (`pdserve.models.tokenizer`: without torch for the
+built-in models; the router itself never uses torch). The context length comes from the
+model's config.json.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ FALLBACK_CONTEXT = 2048  # a config.json without max_position_embeddings
 
 class RouterTokenizer:
     def __init__(self, model: str, cache_dir: str = "") -> None:
-        from transformers import AutoTokenizer
-
         from pdserve.models.builtin import resolve_model
+        from pdserve.models.tokenizer import load_tokenizer
 
         path = resolve_model(model, cache_dir)
         self.model = model
-        self.tok = AutoTokenizer.from_pretrained(path)
+        self.tok = load_tokenizer(path)
         config = json.loads((path / "config.json").read_text())
         self.context_length = int(config.get("max_position_embeddings") or FALLBACK_CONTEXT)
         self.vocab_size = int(config.get("vocab_size") or len(self.tok))  # what nodes check

@@ -31,18 +31,25 @@ from pdserve.server.drain import NodeServer, wait_drained
 from pdserve.server.engine_client import EngineClient
 from pdserve.server.frontend import Frontend
 from pdserve.server.metrics import Metrics
-from pdserve.server.scheduler_process import run_scheduler
 
 log = logging.getLogger("pdserve.server")
 GRACEFUL_S = 10
 STARTUP_TIMEOUT_S = 900  # first start may convert SmolLM2 from GGUF
 
 
+def _run_scheduler(*args) -> None:
+    """The scheduler process's entry, imported only there: this (HTTP) process never
+    loads torch, the model code or the engine (seconds of CPU at every start)."""
+    from pdserve.server.scheduler_process import run_scheduler
+
+    run_scheduler(*args)
+
+
 def start_scheduler(cfg: ServerConfig, ipc_dir: str) -> tuple[mp.Process, str, str]:
     to_sched = f"ipc://{ipc_dir}/to_sched"
     from_sched = f"ipc://{ipc_dir}/from_sched"
     proc = mp.get_context("spawn").Process(
-        target=run_scheduler, args=(cfg, to_sched, from_sched, os.getpid()),
+        target=_run_scheduler, args=(cfg, to_sched, from_sched, os.getpid()),
         name="pdserve-scheduler", daemon=True)
     return proc, to_sched, from_sched
 
@@ -65,16 +72,13 @@ def serve(cfg: ServerConfig) -> int:
     http_sock = bind_port(cfg.host, cfg.port)  # listens only once the node is ready
     if cfg.role == "prefill" and cfg.pd.bootstrap_port:  # before loading anything
         check_port_free(cfg.host, cfg.pd.bootstrap_port)
-    from transformers import AutoTokenizer
-
     from pdserve.models.builtin import resolve_model
 
     path = resolve_model(cfg.engine.model, cfg.engine.model_cache_dir)  # clear error early
-    tokenizer = AutoTokenizer.from_pretrained(path)
     with http_sock, tempfile.TemporaryDirectory(prefix="pdserve-") as ipc_dir:
         proc, to_sched, from_sched = start_scheduler(cfg, ipc_dir)
         try:
-            return asyncio.run(_serve_async(cfg, proc, to_sched, from_sched, tokenizer,
+            return asyncio.run(_serve_async(cfg, proc, to_sched, from_sched, path,
                                             http_sock))
         finally:
             stop_process(proc)
@@ -101,14 +105,20 @@ def _bootstrap_socket(cfg):
     return bind_bootstrap_socket(cfg.host, cfg.pd.bootstrap_port)
 
 
-async def _serve_async(cfg, proc, to_sched, from_sched, tokenizer, http_sock) -> int:
+async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -> int:
+    from pdserve.models.tokenizer import load_tokenizer
+
     ctx = zmq.asyncio.Context()
     client = EngineClient(ctx, to_sched, from_sched, proc)
     proc.start()
+    # The tokenizer loads while the scheduler process loads the model.
+    tok = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, model_path))
     try:
         await client.wait_ready(STARTUP_TIMEOUT_S)
-    except RuntimeError as exc:
+        tokenizer = await tok
+    except Exception as exc:  # the scheduler failed or the tokenizer would not load
         log.error("%s", exc)
+        await asyncio.gather(tok, return_exceptions=True)
         await client.close()
         ctx.term()
         return 1

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.cpus import split_cores, usable_cores
+from pdserve.devices import kv_device_type, torch_cuda_version
 from pdserve.ports import check_port_free, free_port
 from pdserve.stack.child import Child
 from pdserve.stack.config import StackConfig
@@ -136,7 +137,7 @@ class Stack:
             # A GPU KV pool needs a CUDA build of Mooncake (docs/architecture.md: KV transfer).
             problem = transfer_refusal(TransferFacts(
                 self._node_device(), "mooncake", installed_mooncake_builds(), None,
-                self._torch_cuda()))
+                torch_cuda_version()))
         if problem is None:
             return "mooncake"
         self.say(f"  mooncake is unavailable here ({problem}); using the tcp KV backend")
@@ -148,17 +149,7 @@ class Stack:
         dev = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--device"),
                    next((a.split("=", 1)[1] for a in args if a.startswith("--device=")),
                         "auto"))
-        if dev == "auto":
-            import torch
-
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return dev.split(":")[0]
-
-    @staticmethod
-    def _torch_cuda() -> str | None:
-        import torch
-
-        return torch.version.cuda
+        return kv_device_type(dev)
 
     def _router(self, port: int) -> Member:
         cfg = self.cfg
