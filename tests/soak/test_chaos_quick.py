@@ -11,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # ~2 min: scripts/slow_checks.sh, not CI
 
 
 def test_chaos_quick(tmp_path: Path):
