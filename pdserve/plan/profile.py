@@ -175,5 +175,7 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
         prof.pd_step_overhead_s = over.get("pd_step_overhead_s")
         prof.request_jitter_s = over["request_jitter_s"]
         prof.pd_request_jitter_s = over.get("pd_request_jitter_s", [])
+        prof.tpot_jitter_s = over["tpot_jitter_s"]
+        prof.pd_tpot_jitter_s = over.get("pd_tpot_jitter_s", [])
         prof.points["serving"] = over
     return prof

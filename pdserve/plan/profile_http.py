@@ -11,9 +11,11 @@ most of a short request's TTFT (median of 20 single requests at load ~2; ~20 ms 
   (which sees it at its next 2 ms poll), the commit at the decode node's next poll, and
   every token through the decode node's HTTP process, the router and back to the client;
   on a machine whose cores the forward fills, that per-token work also slows each step.
-Each path gets 16 streaming requests one at a time, timed from the SSE lines as `pdserve
-bench` times them; the medians (`_typical`) less what the fitted step and transfer models
-explain become the overheads (docs/architecture.md: Capacity planning):
+Each path gets 16 streaming requests one at a time, sent and timed by `pdserve bench`'s own
+client (`loadtest.client.send_request`: its per-token parsing is part of what a bench run
+measures, ~0.2-0.3 ms a token more than a bare reader on this machine); the medians
+(`_typical`) less what the fitted step and transfer models explain become the overheads
+(docs/architecture.md: Capacity planning):
 - `step_overhead_s` / `pd_step_overhead_s`: TPOT minus the profiled decode step
   (colocated node / decode node of the PD stack);
 - `request_overhead_s`: colocated TTFT minus one extend step (with its step overhead);
@@ -23,6 +25,7 @@ explain become the overheads (docs/architecture.md: Capacity planning):
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -35,6 +38,9 @@ import time
 import httpx
 
 from pdserve.config import EngineConfig
+from pdserve.loadtest.backends import RequestSpec
+from pdserve.loadtest.client import send_request
+from pdserve.loadtest.dataset import Prompt
 
 
 def _free_port() -> int:
@@ -53,35 +59,36 @@ def _engine_flags(cfg: EngineConfig, model: bool = True) -> list[str]:
     return out
 
 
-def _stream(client: httpx.Client, url: str, ids: list[int], new: int) -> tuple[float, float]:
-    """(TTFT, TPOT) of one streaming `/generate` request, from its SSE data lines."""
-    body = {"input_ids": ids, "stream": True, "sampling_params": {
-        "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}
-    t0 = time.perf_counter()
-    times: list[float] = []
-    with client.stream("POST", f"{url}/generate", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data:") and "[DONE]" not in line:
-                times.append(time.perf_counter())
-    if len(times) < 2:
-        raise RuntimeError(f"{url}: a {new}-token stream gave {len(times)} events")
-    return times[0] - t0, (times[-1] - times[0]) / (len(times) - 1)
+async def _streams(url: str, prompts: list[list[int]], new: int) -> list[tuple[float, float]]:
+    """(TTFT, TPOT) of each prompt's streaming `/generate` request, one after the other,
+    as `pdserve bench` sends and times them."""
+    spec = RequestSpec(backend="generate", model="", temperature=0.0, ignore_eos=True)
+    out = []
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+        for ids in prompts:
+            r = await send_request(client, f"{url}/generate", spec,
+                                   Prompt(len(ids), new, ids=tuple(ids)), 0.0, 60)
+            if not r.success or r.tpot is None:
+                raise RuntimeError(f"{url}: a {new}-token stream failed: "
+                                   f"{r.error or f'{r.output_len} tokens'}")
+            out.append((r.ttft, r.tpot))
+    return out
 
 
-def _typical(client: httpx.Client, url: str, ids: list[int], new: int,
-             reps: int) -> tuple[float, float, list[float]]:
-    """Median TTFT and TPOT over `reps` requests (after one warm-up), and every TTFT.
+def _typical(url: str, ids: list[int], new: int,
+             reps: int) -> tuple[float, float, list[float], list[float]]:
+    """Median TTFT and TPOT over `reps` requests (after one warm-up), every TTFT and every
+    TPOT.
     Not the least: the path's own jitter (2 ms polls on both nodes, three event loops)
     is part of every request, so the best of 8 PD TTFTs was half the bench's p50 on a
     quiet machine; and the router sometimes passes a late first token with the next
     ones, which shortens that stream's TPOT below any decode step.
     Each request's prompt is `ids` rotated by its index: no two share a first page, so
     none is served from the prefix cache (a workload's prompts are not either)."""
-    _stream(client, url, ids, new)
-    runs = [_stream(client, url, ids[r + 1:] + ids[:r + 1], new) for r in range(reps)]
+    prompts = [ids] + [ids[r + 1:] + ids[:r + 1] for r in range(reps)]
+    runs = asyncio.run(_streams(url, prompts, new))[1:]  # the first one warms up
     return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-            sorted(r[0] for r in runs))
+            sorted(r[0] for r in runs), sorted(r[1] for r in runs))
 
 
 def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -103,7 +110,7 @@ def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: fl
 
 
 def _measure(cmd: list[str], port: int, ids: list[int], new: int, reps: int,
-             timeout_s: float) -> tuple[float, float, list[float]]:
+             timeout_s: float) -> tuple[float, float, list[float], list[float]]:
     """Start `cmd` (serving on `port`), time the path, stop it and its children."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -111,7 +118,7 @@ def _measure(cmd: list[str], port: int, ids: list[int], new: int, reps: int,
     try:
         with httpx.Client(timeout=60) as client:
             _ready(client, proc, url, timeout_s)
-            return _typical(client, url, ids, new, reps)
+        return _typical(url, ids, new, reps)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -125,7 +132,8 @@ def overheads(prof, prompt: int, new: int, colocated: tuple,
               pd: tuple | None) -> dict:
     """The overheads from measured (TTFT, TPOT) pairs and the profile's step models
     (`prof`'s own overhead fields are ignored: they are what this computes). A third
-    item, the measured TTFTs, gives the jitters: each less the median TTFT.
+    item, the measured TTFTs, gives the request jitters: each less the median TTFT; a
+    fourth, the measured TPOTs, the token jitters: each less the median TPOT.
 
     Noise only adds time, and a served request contains the steps the engine profile
     timed: a TPOT below the modelled decode step (a TTFT below the modelled extend step)
@@ -148,18 +156,22 @@ def overheads(prof, prompt: int, new: int, colocated: tuple,
     out = {"request_overhead_s": max(0.0, colocated[0] - extend - step), "step_overhead_s": step,
            "colocated_ttft_s": colocated[0], "colocated_tpot_s": colocated[1],
            "prompt": prompt, "new_tokens": new, "decode_scale": dscale,
-           "prefill_scale": pscale, "request_jitter_s": _jitter(colocated)}
+           "prefill_scale": pscale, "request_jitter_s": _jitter(colocated),
+           "tpot_jitter_s": _jitter(colocated, 3)}
     if pd is not None:
         path = prof.transfer_latency_s + extend + step + prof.transfer_s(prompt)
         out.update(pd_request_overhead_s=max(0.0, pd[0] - path),
                    pd_step_overhead_s=max(0.0, pd[1] - decode),
-                   pd_ttft_s=pd[0], pd_tpot_s=pd[1], pd_request_jitter_s=_jitter(pd))
+                   pd_ttft_s=pd[0], pd_tpot_s=pd[1], pd_request_jitter_s=_jitter(pd),
+                   pd_tpot_jitter_s=_jitter(pd, 3))
     return out
 
 
-def _jitter(measured: tuple) -> list[float]:
-    """The measured TTFTs less their median ([] when only the medians were given)."""
-    return [t - measured[0] for t in measured[2]] if len(measured) > 2 else []
+def _jitter(measured: tuple, item: int = 2) -> list[float]:
+    """The measured TTFTs (`item` 2) or TPOTs (3) less their median ([] when they were not
+    given)."""
+    median = measured[item - 2]
+    return [t - median for t in measured[item]] if len(measured) > item else []
 
 
 def measure_overheads(cfg: EngineConfig, prof, backend: str = "tcp", pd: bool = True,

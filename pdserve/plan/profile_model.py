@@ -69,6 +69,11 @@ class Profile:
     # simulated request draws one, so a single request's TTFT spread shows in p90
     request_jitter_s: list[float] = field(default_factory=list)
     pd_request_jitter_s: list[float] = field(default_factory=list)
+    # measured TPOTs less their median: one request's decode runs slower or faster than
+    # another's on an idle node too (other processes, event loops); each simulated request
+    # draws one per-token offset, so that spread shows in the TPOT p90
+    tpot_jitter_s: list[float] = field(default_factory=list)
+    pd_tpot_jitter_s: list[float] = field(default_factory=list)
     # step slowdown with k = 0, 1, ... other runnable threads on the node's machine
     # (profile_contention.py); [1.0]: not measured (the simulator shares cores linearly)
     contention: list[float] = field(default_factory=lambda: [1.0])
@@ -112,6 +117,25 @@ class Profile:
             return np.full(n, over)
         draw = np.random.default_rng([seed, 0x6A17]).integers(0, len(jit), size=n)
         return np.maximum(0.0, over + np.asarray(jit)[draw])
+
+    def token_jitters(self, pd: bool, n: int, seed: int) -> np.ndarray:
+        """What each of `n` requests adds to every output token after the first (seconds,
+        < 0 for a faster one): a draw from the measured TPOT jitters (none measured: 0).
+        Depends on `seed` only, so both simulators give a request the same one."""
+        jit = self.pd_tpot_jitter_s if pd and self.pd_step_overhead_s is not None \
+            else self.tpot_jitter_s
+        if not jit:
+            return np.zeros(n)
+        draw = np.random.default_rng([seed, 0x7B0F]).integers(0, len(jit), size=n)
+        return np.asarray(jit, dtype=float)[draw]
+
+    def with_token_jitter(self, pd: bool, seed: int, osl: np.ndarray, first: np.ndarray,
+                          e2e: np.ndarray) -> np.ndarray:
+        """`e2e` with each request's token jitter over its later tokens (never before its
+        first token)."""
+        extra = self.token_jitters(pd, len(osl), seed) * np.maximum(osl - 1, 0)
+        with np.errstate(invalid="ignore"):
+            return np.maximum(e2e + extra, first)
 
     def slowdown(self, extra_threads: float) -> float | None:
         """Step time with `extra_threads` other runnable threads on the machine over the
@@ -157,9 +181,10 @@ class Profile:
     def check(self) -> None:
         if len(self.prefill_coef) != 3 or len(self.decode_coef) != 3:
             raise ProfileError("profile: prefill_coef and decode_coef need 3 numbers each")
-        jit = [*self.request_jitter_s, *self.pd_request_jitter_s]
+        jit = [*self.request_jitter_s, *self.pd_request_jitter_s, *self.tpot_jitter_s,
+               *self.pd_tpot_jitter_s]
         if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in jit):
-            raise ProfileError("profile: request jitters must be finite numbers")
+            raise ProfileError("profile: request and TPOT jitters must be finite numbers")
         nums = [*self.prefill_coef, *self.decode_coef, self.transfer_latency_s,
                 self.request_overhead_s, self.step_overhead_s, self.background_load,
                 *(v for v in (self.pd_request_overhead_s, self.pd_step_overhead_s)

@@ -257,7 +257,8 @@ class Simulator:
                 wall: float) -> SimResult:
         over = self.prof.request_overheads(self.c.pd, len(wl), self.seed)
         first = np.asarray(self.first) - wl.arrival + over
-        e2e = np.asarray(self.end) - wl.arrival + over
+        e2e = self.prof.with_token_jitter(self.c.pd, self.seed, wl.osl, first,
+                                          np.asarray(self.end) - wl.arrival + over)
         with np.errstate(invalid="ignore", divide="ignore"):
             tpot = np.where(wl.osl > 1, (e2e - first) / (wl.osl - 1), np.nan)
         span = max(t_end, 1e-9)

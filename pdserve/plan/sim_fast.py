@@ -184,7 +184,8 @@ class FastSimulator:
                 wall: float) -> SimResult:
         over = self.prof.request_overheads(True, len(wl), self.seed)
         ttft = first - wl.arrival + over
-        e2e = end - wl.arrival + over
+        e2e = self.prof.with_token_jitter(True, self.seed, wl.osl, ttft,
+                                          end - wl.arrival + over)
         with np.errstate(invalid="ignore", divide="ignore"):
             tpot = np.where(wl.osl > 1, (e2e - ttft) / (wl.osl - 1), np.nan)
         span = max(float(end.max()) if len(wl) else 0.0, 1e-9)

@@ -97,18 +97,24 @@ def test_a_slow_served_token_does_not_zero_the_prefill_model():
     assert got["request_overhead_s"] == 0.0
 
 
-def test_each_request_draws_a_measured_jitter_the_same_in_both_simulators():
-    # isolated requests: TTFT = 151 ms (as above) + one of the measured jitters
-    prof = round_profile(**OVER, pd_request_jitter_s=[-0.002, 0.0, 0.010])
+def _isolated_requests(prof):
+    """40 requests a second apart (never batched) through 1P1D in both simulators, and
+    through one colocated node."""
     n = 40
     work = Workload(np.arange(n) * 1.0, np.full(n, 100), np.full(n, 5))
     ref = Simulator(prof, ClusterSpec(prefill=1, decode=1), seed=3).run(work)
     fast = FastSimulator(prof, ClusterSpec(prefill=1, decode=1), seed=3).run(work)
+    return ref, fast, Simulator(prof, ClusterSpec(colocated=1), seed=3).run(work)
+
+
+def test_each_request_draws_a_measured_jitter_the_same_in_both_simulators():
+    # isolated requests: TTFT = 151 ms (as above) + one of the measured jitters
+    ref, fast, co = _isolated_requests(
+        round_profile(**OVER, pd_request_jitter_s=[-0.002, 0.0, 0.010]))
     assert set(np.round(ref.ttft * 1e3, 6)) == {149.0, 151.0, 161.0}
     np.testing.assert_allclose(fast.ttft, ref.ttft)
     np.testing.assert_allclose(ref.e2e - ref.ttft, 4 * 0.024)  # TPOT keeps no jitter
     # the colocated path draws from its own list (none here: no spread)
-    co = Simulator(prof, ClusterSpec(colocated=1), seed=3).run(work)
     assert np.allclose(co.ttft, 0.113)
 
 
@@ -117,3 +123,19 @@ def test_jitters_are_the_measured_ttfts_less_their_median():
                     (0.100, 0.025, [0.090, 0.100, 0.130]))
     assert got["request_jitter_s"] == pytest.approx([-0.001, 0.0, 0.015])
     assert got["pd_request_jitter_s"] == pytest.approx([-0.010, 0.0, 0.030])
+    assert got["tpot_jitter_s"] == [] and got["pd_tpot_jitter_s"] == []  # none measured
+    got = overheads(round_profile(), 64, 32,
+                    (0.080, 0.021, [0.080], [0.020, 0.021, 0.024]),
+                    (0.100, 0.025, [0.100], [0.025, 0.025, 0.031]))
+    assert got["tpot_jitter_s"] == pytest.approx([-0.001, 0.0, 0.003])
+    assert got["pd_tpot_jitter_s"] == pytest.approx([0.0, 0.0, 0.006])
+
+
+def test_each_request_draws_a_measured_token_jitter_the_same_in_both_simulators():
+    # isolated requests: TPOT = the modelled 24 ms + one of the measured jitters, TTFT as is
+    ref, fast, co = _isolated_requests(
+        round_profile(**OVER, pd_tpot_jitter_s=[-0.001, 0.0, 0.006]))
+    assert set(np.round(ref.tpot * 1e3, 6)) == {23.0, 24.0, 30.0}
+    np.testing.assert_allclose(fast.tpot, ref.tpot)
+    np.testing.assert_allclose(ref.ttft, 0.151)
+    assert np.ptp(co.tpot) < 1e-12  # the colocated path's own list is empty: no spread

@@ -37,6 +37,8 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert prof.pd_step_overhead_s is not None and prof.pd_step_overhead_s >= 0
     assert 0 < serving["decode_scale"] <= 1 and 0 <= serving["prefill_scale"] <= 1
     assert len(prof.request_jitter_s) == len(prof.pd_request_jitter_s) == 16
+    assert len(prof.tpot_jitter_s) == len(prof.pd_tpot_jitter_s) == 16
+    assert 0.0 in prof.tpot_jitter_s or min(map(abs, prof.tpot_jitter_s)) < 1e-3
     path = tmp_path / "p.json"
     prof.save(path)
     assert Profile.load(path) == prof
