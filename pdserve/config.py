@@ -106,9 +106,9 @@ class EngineConfig:
     def torch_device(self) -> torch.device:
         import torch
 
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        from pdserve.devices import kv_device_type  # the one place `auto` is decided
+
+        return torch.device(kv_device_type("auto") if self.device == "auto" else self.device)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
