@@ -29,8 +29,10 @@ void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += f(x[i]) * f(x[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = r<T>(f(w[i]) * f(r<T>(f(x[i]) * inv)));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)  // the same roundings, 16 lanes at a time
+    store16(out + i, load16(w + i) * round_as(load16(x + i) * inv, x));
+  for (; i < n; ++i) out[i] = r<T>(f(w[i]) * f(r<T>(f(x[i]) * inv)));
 }
 
 template <typename T>
@@ -58,8 +60,9 @@ void add_rms_norm_impl(const at::Tensor& x, at::Tensor& res, const at::Tensor& w
     for (int64_t i = b; i < e; ++i) {
       T* row = rp + i * n;
       const T* xr = xp + i * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) row[j] = r<T>(f(row[j]) + f(xr[j]));
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) store16(row + j, load16(row + j) + load16(xr + j));
+      for (; j < n; ++j) row[j] = r<T>(f(row[j]) + f(xr[j]));
       rms_row(row, wp, op + i * n, n, (float)eps);
     }
   });
@@ -84,27 +87,33 @@ void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   T* kp = kb.data_ptr<T>();
   T* vp = vb.data_ptr<T>();
   const int64_t* sl = slots.data_ptr<int64_t>();
+  const bool lanes = half % 16 == 0 && D <= 256;  // whole 16-lane halves: vector path
   at::parallel_for(0, toks, 4, [&](int64_t b, int64_t e) {
     std::vector<float> x(D);
+    v16 xv[16];  // one head, D <= 256
     for (int64_t t = b; t < e; ++t) {
       const T* c = cp + t * D;
       const T* s = sp + t * D;
       for (int64_t h = 0; h < H + Hkv; ++h) {
         T* hp = qp + t * row + h * D;
+        if (lanes) {  // the same roundings as below, 16 lanes at a time
+          for (int64_t i = 0; i < D; i += 16) xv[i / 16] = load16(hp + i);
+          for (int64_t i = 0; i < D; i += 16) {
+            const v16 sw = xv[(i < half ? i + half : i - half) / 16];
+            store16(hp + i, round_as(xv[i / 16] * load16(c + i), hp) +
+                                round_as(sw * load16(s + i), hp));
+          }
+          continue;
+        }
         for (int64_t i = 0; i < D; ++i) x[i] = f(hp[i]);
         for (int64_t i = 0; i < D; ++i) {
           const float sw = x[i < half ? i + half : i - half];
           hp[i] = r<T>(f(r<T>(x[i] * f(c[i]))) + f(r<T>(sw * f(s[i]))));
         }
       }
-      T* kd = kp + sl[t] * Hkv * D;
-      T* vd = vp + sl[t] * Hkv * D;
-      const T* ks = qp + t * row + H * D;
-      const T* vs = ks + Hkv * D;
-      for (int64_t i = 0; i < Hkv * D; ++i) {
-        kd[i] = ks[i];
-        vd[i] = vs[i];
-      }
+      const T* ks = qp + t * row + H * D;  // k then v, each Hkv * D
+      std::memcpy(kp + sl[t] * Hkv * D, ks, Hkv * D * sizeof(T));
+      std::memcpy(vp + sl[t] * Hkv * D, ks + Hkv * D, Hkv * D * sizeof(T));
     }
   });
 }

@@ -166,3 +166,21 @@ def test_bf16_engine_tokens_do_not_depend_on_chunk_size_or_loop():
         assert not pool_problems(llm)
     first = runs[(512, "overlap")]
     assert all(r == first for r in runs.values()), runs
+
+
+@needs_kernel
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 32), (6, 2, 96), (8, 1, 128),
+                                     (16, 1, 64)])
+def test_decode_kernel_bits_do_not_depend_on_the_batch(native, h, hkv, d):
+    """A row decoded alone (one task per KV head) and inside a batch big enough for one task
+    per request (all KV heads in one walk over the pages) gives the same bits, for the
+    shapes whose P.V sums stay in registers (G=3 C=2, G=1 C=1) and those summed in memory."""
+    rows_n = 4 * torch.get_num_threads() + 1  # >= 4 rows per thread: whole-request tasks
+    lens = [1 + (37 * i) % 301 for i in range(rows_n)]
+    q, k_buf, v_buf, table = _case(h, hkv, d, [(n - 1, 1) for n in lens], seed=d + h)
+    scale = d**-0.5
+    batch = native.decode_attention(q, k_buf, v_buf, table, torch.tensor(lens), PS, scale)
+    for b in (0, 1, rows_n // 2, rows_n - 1):
+        alone = native.decode_attention(q[b:b + 1], k_buf, v_buf, table[b:b + 1],
+                                        torch.tensor(lens[b:b + 1]), PS, scale)
+        assert torch.equal(alone[0], batch[b]), (b, lens[b])
