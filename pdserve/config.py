@@ -55,6 +55,11 @@ class EngineConfig:
     # Forward (torch intra-op) threads; 0 = torch's default, one per core. `pdserve up`
     # splits the cores between the nodes it starts (docs/architecture.md: CPU threads).
     threads: int = 0
+    # CUDA graphs of decode batches (docs/architecture.md: CUDA graphs): batches of up to
+    # this many rows (0: off) whose context fits cuda_graph_max_context tokens replay a graph
+    # captured at start-up; others run eagerly. CUDA nodes of one rank only.
+    cuda_graph_max_bs: int = 64
+    cuda_graph_max_context: int = 4096
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -81,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 0 (0: one per core), got {self.threads}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.cuda_graph_max_bs < 0 or self.cuda_graph_max_context < 1:
+            raise ValueError("cuda_graph_max_bs must be >= 0 and cuda_graph_max_context >= 1")
         if self.tp_size > 1 and self.enable_hierarchical_cache:
             raise ValueError("--enable-hierarchical-cache does not support --tp-size > 1 yet")
 
@@ -168,6 +175,11 @@ _HELP = {
     "hicache_write_policy": "when cached KV is copied to the host tier: write_through (on "
                             "insert), write_through_selective (once hit twice), write_back "
                             "(on device eviction)",
+    "cuda_graph_max_bs": "CUDA: decode batches of up to this many requests replay CUDA graphs "
+                         "captured at start-up (one per row and context bucket; 0: off). "
+                         "Ignored on CPU and with --tp-size > 1",
+    "cuda_graph_max_context": "CUDA: longest context (tokens) a graph-replayed decode batch "
+                              "may have; longer batches run eagerly",
     "tp_size": "tensor-parallel ranks of this node: rank 0 schedules, ranks 1..N-1 are worker "
                "processes (gloo on CPU, NCCL on CUDA: one GPU per rank); must divide the "
                "attention heads",

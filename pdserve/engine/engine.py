@@ -11,6 +11,7 @@ import torch
 
 from pdserve.cache.hicache_controller import HiCacheController
 from pdserve.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.executor import InlineExecutor, ThreadedExecutor
 from pdserve.engine.future_map import FutureMap
 from pdserve.engine.kv_manager import KVManager
@@ -72,7 +73,7 @@ class Engine:
         self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role)
         self.runner = runner = ModelRunner(model, self.kv_pool, self.future_map,
                                            Sampler(self.device, cfg.seed), self.device,
-                                           self.hicache)
+                                           self.hicache, self._capture_graphs())
         self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length,
                                    self.role)
         self.loop_choice = choose_loop(cfg.requested_loop, self.device)
@@ -88,6 +89,21 @@ class Engine:
         self.role.attach(RoleContext(self.sched, self.out, self.kv, self.kv_pool,
                                      cfg.max_running_requests, cfg.tp_size, self.tp,
                                      self.loaded.hf_config.num_key_value_heads))
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode batches, captured now, before any request (CUDA, one rank,
+        cuda_graph_max_bs > 0); None otherwise. A failed capture leaves them off (reason in
+        /server_info)."""
+        cfg = self.cfg
+        if self.device.type != "cuda" or cfg.cuda_graph_max_bs == 0 or self.tp is not None:
+            return None
+        context = min(self.context_length, cfg.cuda_graph_max_context)
+        graphs = DecodeGraphs(self.loaded.model, self.kv_pool, self.device,
+                              min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+                              -(-context // cfg.page_size))
+        state = graphs.capture_all()
+        log.info("CUDA graphs: %s", state.reason)
+        return graphs
 
     def _make_hicache(self) -> tuple[HostKVPool | None, HiCacheController | None]:
         """The host KV tier and its copy controller, when HiCache is on
@@ -218,6 +234,7 @@ class Engine:
         return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
                 "kernels": self.ops_choice.kind, "kernels_reason": self.ops_choice.reason,
                 "attention": self.runner.attention_paths(),
+                "cuda_graphs": self.runner.graphs_info(),
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,
                 "tp_size": self.cfg.tp_size, "tp": None if self.tp is None else

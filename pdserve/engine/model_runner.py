@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine import logprobs
 from pdserve.engine.batch import Batch
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.future_map import FutureMap
 from pdserve.engine.logprobs import LogprobOutput
 from pdserve.engine.sampler import Sampler, SamplingBatch
@@ -19,8 +20,10 @@ from pdserve.models.llama import AttnMeta, CausalLM
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, future_map: FutureMap,
-                 sampler: Sampler, device: torch.device, hicache=None) -> None:
+                 sampler: Sampler, device: torch.device, hicache=None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.hicache = hicache  # HiCacheController or None
+        self.graphs = graphs  # CUDA graphs of decode batches, or None (eager forwards)
         # (batch seq, start, end) of recent forwards (perf_counter): lets tests check that a
         # HiCache load overlapped a forward (docs/architecture.md: HiCache).
         self.timeline: deque[tuple[int, float, float]] = deque(maxlen=1024)
@@ -37,6 +40,11 @@ class ModelRunner:
         return {"decode": "paged kernel" if self._paged_decode else "sdpa (gathered pages)",
                 "prompt": "paged kernel" if self._paged_extend else "sdpa"}
 
+    def graphs_info(self) -> dict:
+        if self.graphs is None:
+            return {"enabled": False, "reason": "eager forwards (CPU, TP, or turned off)"}
+        return self.graphs.describe()
+
     def run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
         """Forward + sample; returns sampled token ids [R] on the device, and the batch's
         logprobs when a row asked (docs/architecture.md: Logprobs)."""
@@ -49,7 +57,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
         t = batch.packed.to_device(self.device)
-        meta = self._attn_meta(batch, t)
+        key = self.graphs.key_for(batch) if self.graphs is not None else None
+        meta = None if key is not None else self._attn_meta(batch, t)
         input_ids = self.future_map.resolve(t["input_ids"])
         rows, spec = t["logit_rows"], batch.lp
         n_sample = rows.numel()
@@ -58,7 +67,10 @@ class ModelRunner:
         if rows.numel() == 0:  # a middle chunk only: nothing to sample
             self.model(input_ids, t["positions"], meta, self.kv_pool, rows)
             return t["logit_rows"], None
-        logits = self.model(input_ids, t["positions"], meta, self.kv_pool, rows)
+        if key is not None:  # a pure decode batch: every row samples, rows == [0, n)
+            logits = self.graphs.run(key, t, input_ids)
+        else:
+            logits = self.model(input_ids, t["positions"], meta, self.kv_pool, rows)
         sample_logits = logits[:n_sample]
         tokens = t["logit_rows"]
         if n_sample:
