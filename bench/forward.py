@@ -12,6 +12,7 @@ reported as prompt tokens/s of one long prompt.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -70,12 +71,34 @@ def meta_for(rows: int, q_len: int, ctx: int, paged: bool = False, extend: bool 
     return meta, q_pos.reshape(-1), torch.arange(q_len - 1, rows * q_len, q_len)
 
 
+def compiled_forward(model):
+    """The torch ops' forward through `torch.compile` (inductor, static shapes: one compile
+    per shape, a minute each here). The loader builds weights under inference mode, which
+    dynamo cannot trace, so they are cloned into ordinary tensors first (this model only)."""
+    with torch.no_grad():
+        for m in model.modules():
+            for n, p in list(m.named_parameters(recurse=False)):
+                setattr(m, n, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+            for n, b in list(m.named_buffers(recurse=False)):
+                m._buffers[n] = b.clone()
+    compiled = torch.compile(functools.partial(type(model).forward.__wrapped__, model),
+                             dynamic=False)
+
+    def run(*args):
+        with torch.no_grad():
+            return compiled(*args)
+    return run
+
+
 def measure(model_name: str, dtype: str, kernels: list[str], batches: list[int], ctx: int,
             prompt: int, reps: int, bw: float) -> list[dict]:
-    """Each shape is timed with every kernel set right after the other (noise is shared)."""
+    """Each shape is timed with every kernel set right after the other (noise is shared).
+    `compile` is the torch ops under torch.compile."""
     loaded = load_model(model_name, dtype, torch.device("cpu"))
-    ops = {k: choose_ops(k, torch.device("cpu")) for k in kernels}
+    ops = {k: choose_ops("torch" if k == "compile" else k, torch.device("cpu"))
+           for k in kernels}
     model, cfg = loaded.model, loaded.hf_config
+    forward = {k: compiled_forward(model) if k == "compile" else model for k in kernels}
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads,
                       model.model.layers[0].self_attn.head_dim, loaded.dtype, PAGE)
@@ -87,7 +110,8 @@ def measure(model_name: str, dtype: str, kernels: list[str], batches: list[int],
         for k, choice in ops.items():
             model.ops = choice.ops
             meta, pos, last = meta_for(b, 1, ctx, model.paged_decode(), model.paged_extend())
-            step = best_of(lambda: model(ids, pos, meta, pool, last), reps)  # noqa: B023
+            fwd = forward[k]
+            step = best_of(lambda: fwd(ids, pos, meta, pool, last), reps)  # noqa: B023
             rows.append({"dtype": dtype, "kernels": k, "phase": "decode", "batch": b,
                          "ctx": ctx, "ms": 1e3 * step, "tok_s": b / step,
                          "weight_gbs": weight_bytes / 1e9 / step,
@@ -96,7 +120,8 @@ def measure(model_name: str, dtype: str, kernels: list[str], batches: list[int],
     for k, choice in ops.items():
         model.ops = choice.ops
         meta, pos, last = meta_for(1, prompt, prompt, extend=model.paged_extend())
-        t = best_of(lambda: model(ids, pos, meta, pool, last[-1:]),  # noqa: B023
+        fwd = forward[k]
+        t = best_of(lambda: fwd(ids, pos, meta, pool, last[-1:]),  # noqa: B023
                     max(2, reps // 5))
         rows.append({"dtype": dtype, "kernels": k, "phase": "prefill", "batch": 1,
                      "ctx": prompt, "ms": 1e3 * t, "tok_s": prompt / t})
@@ -108,7 +133,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--kernels", default="torch,native",
-                   help="decoder ops to compare (pdserve/models/ops.py)")
+                   help="decoder ops to compare (pdserve/models/ops.py): torch, native, "
+                        "compile (torch ops under torch.compile; ~1 min compile per shape)")
     p.add_argument("--ctx", type=int, default=320, help="context tokens of each decode row")
     p.add_argument("--prompt", type=int, default=1024, help="prefill prompt tokens")
     args = p.parse_args()
