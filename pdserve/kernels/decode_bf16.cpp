@@ -11,6 +11,8 @@
 //     within each 128-bit lane, undone once when the output is written.
 // Probabilities are rounded to bf16 before P.V (as torch's CPU flash attention and
 // extend_attention.cpp do); softmax max, sum and the accumulation stay in float.
+// A task is one request's KV heads: all of them when there are >= 4 requests per thread
+// (the page walk is then one contiguous stream: decode is memory-bound), one otherwise.
 //
 // Shapes: q [B, H, D] (heads contiguous); pools [slots, Hkv, D]; table [B, P] pages;
 // lens [B] context length incl. the new token; out [B, H, D]. D % 32 == 0, G = H / Hkv.
@@ -118,7 +120,8 @@ void accumulate_head(const bf16* const* v, int64_t len, const uint16_t* p, int64
     for (int c = 0; c < C; ++c) a[g][c][0] = a[g][c][1] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; t += 2) {
     const bool pair = t + 1 < len;
-    if (span && t % 16 == 0) prefetch_rows(v, std::min(len, t + 16), std::min(len, t + 32), span);
+    if (span && t % 16 == 0)
+      prefetch_rows(v, std::min(len, t + 16), std::min(len, t + 32), span);
     for (int c = 0; c < C; ++c) {
       const __m512i x = _mm512_loadu_si512(v[t] + off + 32 * c);
       const __m512i y = pair ? _mm512_loadu_si512(v[t + 1] + off + 32 * c) : zero;
@@ -135,31 +138,6 @@ void accumulate_head(const bf16* const* v, int64_t len, const uint16_t* p, int64
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c)
       for (int h = 0; h < 2; ++h) acc[(g * C + c) * 2 + h] = a[g][c][h];
-}
-
-// The same for any G and C, accumulating in memory.
-void accumulate_head_any(const bf16* const* v, int64_t len, const uint16_t* p,
-                         int64_t stride, int64_t off, int64_t span, int64_t G, int64_t C,
-                         __m512* acc) {
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t i = 0; i < G * C * 2; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; t += 2) {
-    const bool pair = t + 1 < len;
-    if (span && t % 16 == 0) prefetch_rows(v, std::min(len, t + 16), std::min(len, t + 32), span);
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512i x = _mm512_loadu_si512(v[t] + off + 32 * c);
-      const __m512i y = pair ? _mm512_loadu_si512(v[t + 1] + off + 32 * c) : zero;
-      const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t pp;
-        std::memcpy(&pp, p + g * stride + t, sizeof(pp));
-        const __m512i pb = _mm512_set1_epi32(pp);
-        acc[(g * C + c) * 2] = _mm512_dpbf16_ps(acc[(g * C + c) * 2], as_bh(lo), as_bh(pb));
-        acc[(g * C + c) * 2 + 1] =
-            _mm512_dpbf16_ps(acc[(g * C + c) * 2 + 1], as_bh(hi), as_bh(pb));
-      }
-    }
-  }
 }
 
 using HeadFn = void (*)(const bf16* const*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
@@ -188,6 +166,20 @@ HeadFn head_fn(int64_t G, int64_t C) {
   return nullptr;
 }
 
+// One query head at a time (G = 1), for the shapes head_fn has no register version of.
+HeadFn one_head_fn(int64_t C) {
+  switch (C) {
+    case 1: return &accumulate_head<1, 1>;
+    case 2: return &accumulate_head<1, 2>;
+    case 3: return &accumulate_head<1, 3>;
+    case 4: return &accumulate_head<1, 4>;
+    case 5: return &accumulate_head<1, 5>;
+    case 6: return &accumulate_head<1, 6>;
+    case 7: return &accumulate_head<1, 7>;
+    default: return &accumulate_head<1, kMaxC>;
+  }
+}
+
 // acc[i][c][0..1] for the query heads i < nkv * G of `nkv` KV heads side by side in each row
 // (D apart): one walk per KV head, the first one pulling the whole span into cache.
 void accumulate(const std::vector<const bf16*>& v, int64_t len, const uint16_t* p,
@@ -198,8 +190,13 @@ void accumulate(const std::vector<const bf16*>& v, int64_t len, const uint16_t* 
     const uint16_t* ph = p + hk * G * stride;
     __m512* ah = acc + hk * G * C * 2;
     const int64_t pull = hk == 0 ? span : 0;
-    if (fn) fn(v.data(), len, ph, stride, hk * D, pull, ah);
-    else accumulate_head_any(v.data(), len, ph, stride, hk * D, pull, G, C, ah);
+    if (fn) {
+      fn(v.data(), len, ph, stride, hk * D, pull, ah);
+      continue;
+    }
+    const HeadFn one = one_head_fn(C);  // a walk per query head (the first from memory)
+    for (int64_t g = 0; g < G; ++g)
+      one(v.data(), len, ph + g * stride, stride, hk * D, g == 0 ? pull : 0, ah + g * C * 2);
   }
 }
 
