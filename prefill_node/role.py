@@ -43,6 +43,7 @@ class PrefillRole(TransferRole):
     name = "prefill"
     meta_rows_per_request = 4
     overlap_every_prefill = True  # launch N+1, then process N (first token, KV sends)
+    runs_decode = False  # its requests decode on the decode node: no decode CUDA graphs
 
     def __init__(self, transfer: KVTransferConfig, model_name: str, early_send: bool = True):
         super().__init__(transfer, model_name)

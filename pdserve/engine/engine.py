@@ -92,10 +92,11 @@ class Engine:
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of decode batches, captured now, before any request (CUDA, one rank,
-        cuda_graph_max_bs > 0); None otherwise. A failed capture leaves them off (reason in
-        /server_info)."""
+        a role that decodes, cuda_graph_max_bs > 0); None otherwise. A failed capture leaves
+        them off (reason in /server_info)."""
         cfg = self.cfg
-        if self.device.type != "cuda" or cfg.cuda_graph_max_bs == 0 or self.tp is not None:
+        if (self.device.type != "cuda" or cfg.cuda_graph_max_bs == 0 or self.tp is not None
+                or not self.role.runs_decode):
             return None
         context = min(self.context_length, cfg.cuda_graph_max_context)
         graphs = DecodeGraphs(self.loaded.model, self.kv_pool, self.device,

@@ -42,7 +42,8 @@ class ModelRunner:
 
     def graphs_info(self) -> dict:
         if self.graphs is None:
-            return {"enabled": False, "reason": "eager forwards (CPU, TP, or turned off)"}
+            return {"enabled": False,
+                    "reason": "eager forwards (CPU, TP, a prefill node, or turned off)"}
         return self.graphs.describe()
 
     def run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:

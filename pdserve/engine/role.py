@@ -90,6 +90,9 @@ class Role:
     # True: the overlap loop never syncs before a prefill batch that follows a prefill
     # batch, whatever `consecutive_prefill` says (the prefill role: all its batches are).
     overlap_every_prefill = False
+    # False: this role never runs decode batches (the prefill role), so the engine captures
+    # no CUDA graphs of them (docs/architecture.md: CUDA graphs).
+    runs_decode = True
 
     def attach(self, ctx: RoleContext) -> None:
         """Called once by the engine, after it built its scheduler, output processor and

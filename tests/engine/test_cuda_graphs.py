@@ -101,3 +101,12 @@ def test_only_pure_sampling_decode_batches_replay() -> None:
 
 class _Pool:
     page_size = 16
+
+
+def test_only_roles_that_decode_capture_graphs() -> None:
+    """A prefill node never runs a decode batch: its engine captures no decode graphs."""
+    from decode_node.role import DecodeRole
+    from pdserve.engine.role import Role
+    from prefill_node.role import PrefillRole
+
+    assert Role.runs_decode and DecodeRole.runs_decode and not PrefillRole.runs_decode
