@@ -128,7 +128,8 @@ async def run_once(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient) ->
     results = list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
     duration = time.perf_counter() - start
     bar.close()
-    after = await server_info.fetch_metrics(client, cfg.base_url)
+    # The node's counters are a periodic snapshot: wait for one taken after the last answer.
+    after = await server_info.fetch_metrics_after(client, cfg.base_url, time.time())
     server = {"server_models": setup.models, "server_metrics_before": before,
               "server_metrics_after": after,
               "server_metrics_delta": server_info.metrics_delta(before, after)}

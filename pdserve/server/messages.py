@@ -94,6 +94,12 @@ class Stats:
     mixed_batches: int = 0  # prefill batches that also advanced the running requests
     role: dict = field(default_factory=dict)  # role queues and transfer counters
     hicache: dict = field(default_factory=dict)  # host KV tier (empty when HiCache is off)
+    # Stats are a snapshot sent every STATS_PERIOD_S, so /server_info can be up to one period
+    # old. `seq` counts snapshots (1 = the first); `taken_at` is the scheduler's wall clock
+    # (time.time()) when it was taken: a reader that must see the effect of an action it
+    # finished at time T waits for `taken_at > T`, never for time to pass.
+    seq: int = 0
+    taken_at: float = 0.0
 
 
 MESSAGES = {cls.__name__: cls for cls in (

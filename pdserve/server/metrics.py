@@ -29,6 +29,9 @@ class _SchedulerCollector:
              s.cache_hit_rate),
             ("pdserve_kv_free_pages", "free KV pages", s.free_pages),
             ("pdserve_kv_total_pages", "KV pages in the pool", s.total_pages),
+            ("pdserve_stats_timestamp_seconds",
+             "when the scheduler took the snapshot these gauges come from (unix time)",
+             s.taken_at),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         c = CounterMetricFamily("pdserve_overlap_disabled", "batches run without overlap",

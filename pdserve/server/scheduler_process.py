@@ -32,6 +32,7 @@ class SchedulerService:
         self.sent: dict[str, int] = {}  # rid -> output ids already sent
         self.stopping = False
         self._last_stats = 0.0
+        self._stats_seq = 0
 
     def ready_message(self) -> m.Ready:
         e = self.engine
@@ -135,6 +136,8 @@ class SchedulerService:
         self.send.send(m.encode(self.stats()))
 
     def stats(self) -> m.Stats:
+        self._stats_seq += 1
+        taken_at = time.time()
         e = self.engine
         s = e.memory_stats()
         cache = e.kv.cache
@@ -151,6 +154,7 @@ class SchedulerService:
             mixed_batches=e.sched.num_mixed_batches,
             role=_str_keys(e.role.stats()),
             hicache=e.hicache_stats(),
+            seq=self._stats_seq, taken_at=taken_at,
         )
 
 

@@ -51,7 +51,7 @@ def offline(ids: list[int]):
 
 
 def rooms_succeeded(node) -> int:
-    return node.stats()["role"]["transfer"]["rooms_succeeded"]
+    return node.fresh_stats()["role"]["transfer"]["rooms_succeeded"]
 
 
 def test_router_is_the_pinned_sglang_router():
@@ -132,13 +132,11 @@ def test_worker_endpoints_and_batched_body_through_the_router(cluster, r1):
     cluster.prefills[0].wait_pools_full()
 
 
-def _wait_some_pages_cached(node, timeout: float = 10) -> None:
-    """Stats refresh every 0.25 s: a snapshot from before the request reached the node can
-    still show every page free (a fresh node, or one another test flushed), so poll."""
-    deadline = time.monotonic() + timeout
-    while (s := node.stats())["free_pages"] >= s["total_pages"]:
-        assert time.monotonic() < deadline, s
-        time.sleep(0.1)
+def _wait_some_pages_cached(node) -> None:
+    """The answered request's prompt pages are cached, in a snapshot taken after the answer
+    (an older one can still show every page free: a fresh node, or one a test flushed)."""
+    s = node.fresh_stats()
+    assert s["free_pages"] < s["total_pages"], s
 
 
 def _wait_all_pages_free(node, timeout: float = 10) -> None:
@@ -167,7 +165,7 @@ def test_2p2d_round_robin_exact(cluster):
         t.join(180)
     for i, w in enumerate(want):
         assert results[i].status == 200 and results[i].body["output_ids"] == w, results[i]
-    deadline = time.monotonic() + 10  # node stats refresh every 0.25 s
+    deadline = time.monotonic() + 10  # a prefill counts its room just after it tells the decode
     while True:  # round robin: every prefill and every decode served some of the legs
         after = [rooms_succeeded(n) for n in nodes]
         if all(a > b for a, b in zip(after, before, strict=True)):

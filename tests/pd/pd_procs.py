@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +133,12 @@ class Node(Proc):
         return r.json()
 
     def stats(self) -> dict:
+        """The latest stats snapshot: up to STATS_PERIOD_S old. Polling loops use it."""
         return self.info()["stats"] or {}
+
+    def fresh_stats(self) -> dict:
+        """A snapshot taken after this call: counters read before or after an action."""
+        return server_info_after(self.url, time.time())["stats"]
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {'name{label="v"}': value} (Prometheus text format)."""
@@ -149,13 +155,15 @@ class Node(Proc):
     def wait_pools_full(self, timeout: float = 10) -> dict:
         """/server_info until KV pages, request slots and metadata slots are back to full,
         no request is open and the transfer layer tracks no room (stats refresh every
-        0.25 s)."""
+        0.25 s): in a snapshot taken after this call, so never the state of before the
+        action the caller waited for."""
+        since = time.time()
         deadline = time.monotonic() + timeout
         while True:
             info = self.info()
             s = info["stats"]
-            if s and s["pools_full"] and not info["open_requests"] and not s["running"] \
-                    and not s["waiting"] and not any(
+            if s and s["taken_at"] > since and s["pools_full"] and not info["open_requests"] \
+                    and not s["running"] and not s["waiting"] and not any(
                         v for k, v in s["role"].items() if k.endswith("_queue")) \
                     and not s["role"].get("transfer", {}).get("live_rooms"):
                 return s

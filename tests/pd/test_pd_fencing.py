@@ -88,7 +88,7 @@ def test_paused_prefill_never_writes_into_reused_pages(tmp_path_factory, backend
             n.spawn()
         for n in nodes:
             n.wait_ready()
-        failed_before = d.stats()["role"]["transfer"]["rooms_failed"]
+        failed_before = d.fresh_stats()["role"]["transfer"]["rooms_failed"]
 
         # 1. Long prompts through A; pause A (HTTP process and scheduler) mid-transfer.
         # 2. The decode fails A's unfinished rooms: 503 prefill_failed, blaming A.

@@ -84,7 +84,7 @@ def check_decode_body(body: dict, want: list[int]) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_http_round_trip(stack, backend):
     prefill, decode = stack.node("prefill", backend), stack.node("decode", backend)
-    before = decode.stats()["role"]["transfer"]["rooms_succeeded"]
+    before = decode.fresh_stats()["role"]["transfer"]["rooms_succeeded"]
     prompts = [random_prompt(23, seed=3001), random_prompt(150, seed=3002)]
     want = colocated_greedy(MODEL, prompts, GREEDY["max_new_tokens"])
     reqs = [PDRequest(prefill, decode, p, GREEDY, stream=stream).start()
@@ -106,9 +106,8 @@ def test_http_round_trip(stack, backend):
         else:
             check_decode_body(d.body, w)
     assert sum(1 for r in reqs if r.decode.events) == len(prompts)
-    decode.wait_pools_full()
+    stats = decode.wait_pools_full()["role"]["transfer"]
     prefill.wait_pools_full()
-    stats = decode.stats()["role"]["transfer"]
     assert stats["rooms_succeeded"] - before == len(reqs)
     assert stats["bytes_received"] > 0
     # Per-node metrics: queue length per PD stage, transfer bytes and latency histogram.
@@ -179,7 +178,7 @@ def test_decode_leg_ends_when_its_client_leaves_before_the_kv(stack):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kill9_prefill_mid_transfer(stack, backend):
     prefill, decode = stack.node("prefill", backend), stack.node("decode", backend)
-    failed_before = decode.stats()["role"]["transfer"]["rooms_failed"]
+    failed_before = decode.fresh_stats()["role"]["transfer"]["rooms_failed"]
     prompts = [random_prompt(1800, seed=3200 + i) for i in range(8)]
     reqs = [PDRequest(prefill, decode, p, GREEDY).start() for p in prompts]
     # Wait until the decode has pre-allocated and is waiting for KV (transfer queue).

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
 from pdserve.stack.child import group_alive  # noqa: F401 (re-exported to the tests)
 
@@ -202,28 +203,33 @@ def server_info(url: str) -> dict:
     return r.json()
 
 
-def pools_full(url: str) -> bool:
+def pools_full(url: str, since: float = 0.0) -> bool:
     """No request holds KV, a slot, or a place in a role queue; nothing open in HTTP; the
-    transfer layer tracks no room."""
+    transfer layer tracks no room; all in a stats snapshot taken after `since`."""
     info = server_info(url)
     s = info["stats"]
     role = s.get("role") or {}
     queues = sum(v for k, v in role.items() if k.endswith("_queue"))
     rooms = (role.get("transfer") or {}).get("live_rooms", 0)
-    return bool(s["pools_full"] and s["running"] == 0 and s["waiting"] == 0 and queues == 0
+    return bool(s["taken_at"] > since and s["pools_full"] and s["running"] == 0
+                and s["waiting"] == 0 and queues == 0
                 and s["free_slots"] == s["total_slots"] and s["kv_usage"] == 0
                 and info["open_requests"] == 0 and rooms == 0)
 
 
 def wait_pools_full(url: str, timeout_s: float = 30) -> None:
+    """Pools back to full in a snapshot taken after this call (stats refresh every 0.25 s:
+    an older one can predate what the caller did)."""
+    since = time.time()
     try:
-        wait_until(lambda: pools_full(url), timeout_s, f"pools of {url} back to full")
+        wait_until(lambda: pools_full(url, since), timeout_s, f"pools of {url} back to full")
     except AssertionError:
         raise AssertionError(f"{server_info(url)}") from None
 
 
 def generated_tokens(url: str) -> int:
-    return server_info(url)["stats"]["generated_tokens"]
+    """Tokens generated so far, from a snapshot taken after this call."""
+    return server_info_after(url, time.time())["stats"]["generated_tokens"]
 
 
 def router_nodes(router: str) -> dict[str, dict]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
 
 MODEL = "tiny-llama"
@@ -195,12 +196,15 @@ class Server:
     def wait_pools_full(self, timeout: float = 15, open_requests: bool = False) -> dict:
         """Poll /server_info until no request holds a KV page or a request slot and nothing
         runs or waits in the scheduler (and, with `open_requests`, the HTTP process holds
-        no request either). Returns the scheduler's stats."""
+        no request either). Returns the scheduler's stats, from a snapshot taken after this
+        call (stats refresh every 0.25 s: an older one can predate what the caller did)."""
+        since = time.time()
         deadline = time.monotonic() + timeout
         while True:
             info = self.info()
             s = info["stats"]
-            if (s and s["pools_full"] and s["running"] == 0 and s["waiting"] == 0
+            if (s and s["taken_at"] > since and s["pools_full"] and s["running"] == 0
+                    and s["waiting"] == 0
                     and s["free_slots"] == s["total_slots"] and s["kv_usage"] == 0
                     and (info["open_requests"] == 0 or not open_requests)):
                 return s
@@ -209,7 +213,8 @@ class Server:
             time.sleep(0.1)
 
     def generated_tokens(self) -> int:
-        return self.info()["stats"]["generated_tokens"]
+        """Tokens generated so far, from a snapshot taken after this call."""
+        return server_info_after(self.url, time.time())["stats"]["generated_tokens"]
 
 
 # -- responses -----------------------------------------------------------------------------

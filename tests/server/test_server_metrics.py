@@ -3,9 +3,13 @@ histograms move as requests are served."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL
+
+from pdserve.loadtest.server_info import server_info_after
 
 GAUGES = ["pdserve_num_requests_running", "pdserve_num_requests_waiting",
           "pdserve_kv_cache_usage_ratio", "pdserve_prefix_cache_hit_rate"]
@@ -88,3 +92,22 @@ def test_load_gauges_show_a_running_request(server):
     server.wait_pools_full()
     m = scrape(server)
     assert m["pdserve_num_requests_running"] == 0 and m["pdserve_kv_cache_usage_ratio"] == 0
+
+
+def test_stats_snapshots_say_when_they_were_taken(server):
+    """The scheduler's stats are a periodic snapshot; each says when it was taken (`taken_at`,
+    also the `pdserve_stats_timestamp_seconds` gauge) and which it is (`seq`), so a reader
+    that needs an action's effect waits for a snapshot taken after the action."""
+    t0 = time.time()
+    first = server_info_after(server.url, t0)["stats"]
+    assert first["taken_at"] > t0 and first["seq"] >= 1
+    g = httpx.post(f"{server.url}/generate", timeout=60, json={
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                    "ignore_eos": True}})
+    assert g.status_code == 200
+    t1 = time.time()
+    s = server_info_after(server.url, t1)["stats"]
+    assert s["taken_at"] > t1 and s["seq"] > first["seq"]
+    # Every token of the answered request is in a snapshot taken after the answer.
+    assert s["generated_tokens"] - first["generated_tokens"] == 3
+    assert scrape(server)["pdserve_stats_timestamp_seconds"] >= s["taken_at"]
