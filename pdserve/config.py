@@ -111,11 +111,10 @@ class EngineConfig:
         return "normal" if self.disable_overlap else self.loop
 
     def torch_device(self) -> torch.device:
-        import torch
+        """The engine's device; CUDA always with its index (`devices.resolve_torch_device`)."""
+        from pdserve.devices import resolve_torch_device  # the one place `auto` is decided
 
-        from pdserve.devices import kv_device_type  # the one place `auto` is decided
-
-        return torch.device(kv_device_type("auto") if self.device == "auto" else self.device)
+        return resolve_torch_device(self.device)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

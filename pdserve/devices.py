@@ -31,6 +31,24 @@ def kv_device_type(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_torch_device(device: str):
+    """`--device` (auto|cpu|cuda|cuda:N) as the one `torch.device` every engine thread uses.
+
+    A CUDA device always carries its index: `torch.cuda.set_device`, streams and events
+    resolve an index-less `cuda` with `torch._utils._get_device_index(optional=False)`,
+    which raises, and a thread that dies on it leaves the scheduler waiting. So `cuda`
+    becomes `cuda:<current device>` here, once (0 where torch cannot see a GPU: that
+    device is then refused when the engine first touches it, with CUDA's own message).
+    """
+    import torch
+
+    dev = torch.device(kv_device_type("auto") if device == "auto" else device)
+    if dev.type == "cuda" and dev.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        dev = torch.device("cuda", index)
+    return dev
+
+
 def torch_cuda_version() -> str | None:
     """The CUDA version torch was built for (None for a CPU build)."""
     if cpu_only_torch():

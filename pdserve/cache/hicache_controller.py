@@ -136,31 +136,35 @@ class HiCacheController:
 
     # -- copy thread -------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self._cuda:
-            torch.cuda.set_device(self.device)
-        while True:
-            op = self._jobs.get()
-            if op is None:
-                return
-            try:
-                self.gate.wait()
-                op.t_start = time.perf_counter()
-                self._run(op)
-                op.t_end = time.perf_counter()
-            except BaseException as exc:  # surfaced on the scheduler thread
-                with self._cv:
-                    self._error = exc
-                    self._cv.notify_all()
-                return
-            key = op.kind
-            self.stats[f"{key}_ops"] += 1
-            self.stats[f"{key}_bytes"] += op.nbytes
-            self.stats[f"{key}_seconds"] += op.t_end - op.t_start
-            self._observe(op)
-            self.timeline.append(op)
+        """Any error, the thread's set-up included, is kept and wakes every waiter: the
+        scheduler raises it at its next wait or poll instead of waiting forever."""
+        try:
+            if self._cuda:
+                torch.cuda.set_device(self.device)
+            while True:
+                op = self._jobs.get()
+                if op is None:
+                    return
+                self._one(op)
+        except BaseException as exc:  # surfaced on the scheduler thread
             with self._cv:
-                self._done_upto = op.op_id
+                self._error = exc
                 self._cv.notify_all()
+
+    def _one(self, op: CopyOp) -> None:
+        self.gate.wait()
+        op.t_start = time.perf_counter()
+        self._run(op)
+        op.t_end = time.perf_counter()
+        key = op.kind
+        self.stats[f"{key}_ops"] += 1
+        self.stats[f"{key}_bytes"] += op.nbytes
+        self.stats[f"{key}_seconds"] += op.t_end - op.t_start
+        self._observe(op)
+        self.timeline.append(op)
+        with self._cv:
+            self._done_upto = op.op_id
+            self._cv.notify_all()
 
     def _observe(self, op: CopyOp) -> None:
         counts, total = self.latency[op.kind]

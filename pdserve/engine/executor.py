@@ -6,6 +6,12 @@ on CPU the scheduler's Python work really runs beside the forward. On CUDA the f
 uses its own stream; the sampled tokens are copied to pinned host memory on a copy stream
 and a CUDA event says when they are there. A `ResultHandle` is what the scheduler keeps
 in its result queue; `tokens()` blocks only when the scheduler really needs the values.
+
+No wait is unbounded: a forward thread that dies (an error outside a batch, such as CUDA
+refusing its device, or a BaseException) resolves the batch it held and every queued
+one with its error, refuses later launches the same way, and a handle whose producer is
+gone without resolving it raises instead of waiting. The scheduler then stops with the
+error (`run_scheduler`), so a broken device never looks like a node that is merely idle.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,9 +27,17 @@ from pdserve.engine.batch import Batch
 from pdserve.engine.logprobs import LogprobOutput
 from pdserve.engine.model_runner import ModelRunner
 
+# How often a blocked `tokens()` checks that its producer still lives.
+LIVENESS_POLL_S = 0.5
+
+
+class ForwardThreadDied(RuntimeError):
+    """The forward thread stopped without resolving a batch it was given."""
+
 
 class ResultHandle:
-    def __init__(self) -> None:
+    def __init__(self, producer_alive: Callable[[], bool] | None = None) -> None:
+        self._producer_alive = producer_alive  # None: resolved on the caller's thread
         self._done = threading.Event()
         self._tokens: list[int] | None = None
         self._error: BaseException | None = None
@@ -42,7 +57,12 @@ class ResultHandle:
     def tokens(self) -> list[int]:
         """Sampled token ids of the batch's sampling rows (blocks until available)."""
         if self._tokens is None:
-            self._done.wait()
+            while not self._done.wait(LIVENESS_POLL_S):
+                if self._producer_alive is not None and not self._producer_alive():
+                    if self._done.is_set():  # resolved just before it exited
+                        break
+                    raise ForwardThreadDied("the forward thread exited without resolving "
+                                            "this batch")
             if self._error is not None:
                 raise RuntimeError(f"forward failed: {self._error}") from self._error
             if self._event is not None:
@@ -85,31 +105,57 @@ class ThreadedExecutor:
         self.device = runner.device
         self._jobs: queue.Queue = queue.Queue()
         self.forward_cpu_s = 0.0
+        self.fatal: BaseException | None = None  # why the forward thread stopped, if it did
+        self._lock = threading.Lock()  # orders `fatal` against launches
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
-        self._thread = threading.Thread(target=self._loop, name="pdserve-forward", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="pdserve-forward", daemon=True)
         self._thread.start()
 
     def launch(self, batch: Batch) -> ResultHandle:
-        handle = ResultHandle()
-        self._jobs.put((batch, handle))
+        handle = ResultHandle(self._thread.is_alive)
+        with self._lock:
+            if self.fatal is not None:
+                handle.resolve(None, error=self.fatal)
+                return handle
+            self._jobs.put((batch, handle))
         return handle
 
-    def _loop(self) -> None:
+    def _setup_thread(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            batch, handle = job
-            t0 = time.thread_time()
-            try:
-                self._run_one(batch, handle)
-            except Exception as exc:
-                handle.resolve(None, error=exc)
-            self.forward_cpu_s += time.thread_time() - t0
+
+    def _main(self) -> None:
+        """The thread's body: any error that escapes a batch stops it, failing every batch
+        it holds or will be given (never a handle left unresolved)."""
+        current: ResultHandle | None = None
+        try:
+            self._setup_thread()
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                batch, current = job
+                t0 = time.thread_time()
+                try:
+                    self._run_one(batch, current)
+                except Exception as exc:  # this batch failed; the thread goes on
+                    current.resolve(None, error=exc)
+                current = None
+                self.forward_cpu_s += time.thread_time() - t0
+        except BaseException as exc:
+            with self._lock:
+                self.fatal = exc
+            if current is not None:
+                current.resolve(None, error=exc)
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[1].resolve(None, error=exc)
 
     def _run_one(self, batch: Batch, handle: ResultHandle) -> None:
         if self.device.type != "cuda":
