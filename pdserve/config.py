@@ -21,6 +21,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # auto = cuda when available, else cpu
     kernels: str = "auto"  # auto | native | torch (see pdserve/models/ops.py)
+    # auto | triton | native | torch (see pdserve/models/attention_backends.py)
+    attention_backend: str = "auto"
     page_size: int = 16
     max_running_requests: int = 64
     max_total_tokens: int = 0  # KV pool size in tokens; 0 = derive from --kv-cache-mb
@@ -77,6 +79,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
         if self.kernels not in ("auto", "native", "torch"):
             raise ValueError(f"kernels must be auto|native|torch, got {self.kernels!r}")
+        if self.attention_backend not in ("auto", "triton", "native", "torch"):
+            raise ValueError("attention_backend must be auto|triton|native|torch, got "
+                             f"{self.attention_backend!r}")
         if self.loop not in ("auto", "overlap", "normal"):
             raise ValueError(f"loop must be auto|overlap|normal, got {self.loop!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -143,6 +148,10 @@ _HELP = {
     "kernels": "decoder-layer ops: native (fused CPU kernels, built once with the C++ "
                "compiler), torch (plain PyTorch), or auto (native on CPU when they build, "
                "else torch)",
+    "attention_backend": "attention of decode and prompt rows: triton (paged Triton "
+                         "kernels; CUDA, or CPU under TRITON_INTERPRET=1), native (the fused "
+                         "CPU kernels), torch (SDPA over gathered pages), or auto (triton on "
+                         "CUDA, native on CPU with the fused kernels, else torch)",
     "threads": "forward threads of this node (torch intra-op; 0: one per core). Nodes "
                "sharing a machine should split its cores: `pdserve up` does",
     "page_size": "tokens per KV page",

@@ -28,6 +28,7 @@ from pdserve.engine.tp_driver import send_init, start_tp
 from pdserve.memory.host_pool import HostKVPool, host_pages_for
 from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
+from pdserve.models.attention_backends import choose_attention
 from pdserve.models.loader import LoadedModel, load_model
 from pdserve.models.ops import choose_ops
 from pdserve.models.tokenizer import load_tokenizer
@@ -47,8 +48,11 @@ class Engine:
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, self.device,
                                               cfg.model_cache_dir)
         self.ops_choice = choose_ops(cfg.kernels, self.device)
-        self.loaded.model.ops = self.ops_choice.ops
-        log.info("decoder ops: %s (%s)", self.ops_choice.kind, self.ops_choice.reason)
+        self.attn_choice = choose_attention(cfg.attention_backend, self.ops_choice.ops,
+                                            self.device)
+        self.loaded.model.ops = self.attn_choice.ops
+        log.info("decoder ops: %s (%s); attention: %s (%s)", self.ops_choice.kind,
+                 self.ops_choice.reason, self.attn_choice.backend, self.attn_choice.reason)
         self.tokenizer = load_tokenizer(self.loaded.path)
         hf = self.loaded.hf_config
         self.context_length = min(cfg.context_length or self.loaded.context_length,
@@ -234,6 +238,8 @@ class Engine:
         """What this engine runs, for /server_info and logs."""
         return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
                 "kernels": self.ops_choice.kind, "kernels_reason": self.ops_choice.reason,
+                "attention_backend": self.attn_choice.backend,
+                "attention_backend_reason": self.attn_choice.reason,
                 "attention": self.runner.attention_paths(),
                 "cuda_graphs": self.runner.graphs_info(),
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),

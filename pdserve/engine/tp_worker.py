@@ -25,6 +25,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.tp_driver import rank_device
 from pdserve.engine.tp_group import TPGroup, read_msg, unpack_tensors
 from pdserve.memory.kv_pool import KVLayout, KVPool
+from pdserve.models.attention_backends import choose_attention
 from pdserve.models.llama import AttnMeta
 from pdserve.models.loader import load_model
 from pdserve.models.ops import choose_ops
@@ -47,7 +48,8 @@ def serve(cfg: EngineConfig, rank: int, port: int, replies) -> None:
     if cfg.threads:  # every rank runs the forward with the node's thread count
         torch.set_num_threads(cfg.threads)
     loaded = load_model(cfg.model, cfg.dtype, device, cfg.model_cache_dir)
-    loaded.model.ops = choose_ops(cfg.kernels, device).ops  # the same ops as rank 0
+    base = choose_ops(cfg.kernels, device).ops  # the same ops as rank 0
+    loaded.model.ops = choose_attention(cfg.attention_backend, base, device).ops
     plan = plan_tp(loaded.hf_config, cfg.tp_size, rank)
     group = TPGroup("127.0.0.1", port, rank, cfg.tp_size, device)
     group.connect()

@@ -16,6 +16,8 @@ is being built.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import itertools
 import random
@@ -57,8 +59,15 @@ def _tokenizer(path: str):
 
 
 @functools.cache
-def _model(name: str, dtype: str, device: str, cache_dir: str):
+def _loaded(name: str, dtype: str, device: str, cache_dir: str):
     return _real_load_model(name, dtype, torch.device(device), cache_dir)
+
+
+def _model(name: str, dtype: str, device: str, cache_dir: str):
+    # A shallow copy per engine: the weights are shared, but each engine sets its own
+    # `model.ops` (its --kernels / --attention-backend choice).
+    loaded = _loaded(name, dtype, device, cache_dir)
+    return dataclasses.replace(loaded, model=copy.copy(loaded.model))
 
 
 @contextlib.contextmanager
@@ -149,7 +158,7 @@ def close_references() -> None:
         llm.close()
     _LLMS.clear()
     _REF.clear()
-    _model.cache_clear()
+    _loaded.cache_clear()
     _tokenizer.cache_clear()
     hf_greedy.cache_clear()
     _hf_model.cache_clear()

@@ -196,3 +196,21 @@ def test_pd_token_exact_hicache(backend, loop):
             assert s["host_free_pages"] == s["host_total_pages"], s
     finally:
         cluster.close()
+
+
+def test_pd_token_exact_triton_attention():
+    """Both nodes on `--attention-backend triton` (Triton's interpreter on this CPU): the
+    decode leg equals the colocated default engine token for token, cold and warm (the
+    prefill then serves prompts from its prefix cache: extend rows starting mid-context)."""
+    model = TINY_MODELS[0]
+    prompts = [PROMPTS[PROMPT_LENS.index(n)] for n in (9, 65)] + SHARED[:1]
+    common = {"page_size": 16, "attention_backend": "triton"}
+    cluster = PDCluster(model, "tcp", prefills=[{**common, "chunked_prefill_size": 64}],
+                        decodes=[common])
+    try:
+        assert all(e.describe()["attention_backend"] == "triton" for e in cluster.engines)
+        run_pass(cluster, 0, model, "cold", n=6, prompts=prompts)
+        run_pass(cluster, 0, model, "warm", n=6, prompts=prompts)
+        assert cluster.prefills[0].kv.cache.hit_tokens > 0
+    finally:
+        cluster.close()
