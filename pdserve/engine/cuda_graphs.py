@@ -9,9 +9,9 @@ with, so:
 - a batch's rows are padded up to a row bucket (1, 2, 4, 8, then steps of 8 up to
   `max_rows`): padded rows repeat the last real row (its token, position, KV slot and
   pages), so they write the very same K/V to the very same slot and need no scratch page;
-- its context is padded up to a page bucket (powers of two): the mask hides every page
-  past a row's length, and the page ids there are stale but valid (the gather stays in the
-  pool);
+- its context is padded up to a page bucket (powers of two): each row reads (or, gathered,
+  unmasks) only its own length, and the page ids past it are stale but valid (a gather
+  stays in the pool);
 - inputs are copied into static buffers (the largest shapes; a graph uses leading slices)
   and the logits come out of the graph's own output tensor, read before the next replay.
 
@@ -78,13 +78,12 @@ class DecodeGraphs:
         self.capture = capture
         self.rows = row_buckets(max_rows)
         self.pages = page_buckets(max_pages)
-        r, p, ps = self.rows[-1], self.pages[-1], kv_pool.page_size
+        r, p = self.rows[-1], self.pages[-1]
         z = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(r, **z)
         self.positions = torch.zeros(r, **z)
         self.out_cache_loc = torch.zeros(r, **z)
         self.kv_pages = torch.zeros(r, p, **z)
-        self.key_pos = torch.arange(p * ps, **z)
         self.logit_rows = torch.arange(r, **z)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.state = GraphState(False, "not captured")
@@ -181,11 +180,12 @@ class DecodeGraphs:
         """The recorded forward: static slices in, logits [rows, V] out."""
         ps = self.kv_pool.page_size
         pos = self.positions[:rows]
-        # [rows, 1, 1, pages * ps]: each row sees its context (positions <= its own)
-        mask = (self.key_pos[:pages * ps].view(1, -1) <= pos.view(-1, 1)).view(rows, 1, 1, -1)
-        meta = AttnMeta(out_cache_loc=self.out_cache_loc[:rows],
-                        kv_pages=self.kv_pages[:rows, :pages], mask=mask, q_index=None,
-                        batch=rows, max_q=1, page_size=ps)
+        # Every row is a decode row: the paged kernel reads each row's context up to its
+        # length (pos + 1); without one, SDPA over the bucket's pages, masked past it.
+        pages_t = self.kv_pages[:rows, :pages]
+        meta = AttnMeta(out_cache_loc=self.out_cache_loc[:rows], kv_pages=pages_t[:0],
+                        mask=None, q_index=None, batch=0, max_q=0, page_size=ps,
+                        seq_lens=pos + 1, decode_pages=pages_t)
         return self.model(self.input_ids[:rows], pos, meta, self.kv_pool,
                           self.logit_rows[:rows])
 

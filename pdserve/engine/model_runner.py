@@ -86,11 +86,16 @@ class ModelRunner:
 
     def _attn_meta(self, batch: Batch, t: dict[str, torch.Tensor]) -> AttnMeta:
         """Split the rows into the SDPA group (first) and the decode group (last rows, read
-        in place by the paged kernel when the model has one; else they join the SDPA group),
-        and build each group's indices. Host-side lengths come from `batch.rows`."""
-        n_dec = batch.num_decode_rows if self._paged_decode else 0
+        in place by the paged kernel when the model has one, else SDPA over their own
+        gathered pages), and build each group's indices. Host-side lengths come from
+        `batch.rows`."""
+        n_dec = batch.num_decode_rows
         sdpa = batch.rows[:len(batch.rows) - n_dec]
         ps = self.kv_pool.page_size
+        decode_pages = t["kv_pages"][len(sdpa):] if n_dec else None
+        if n_dec and not self._paged_decode:  # gathered: only the decode rows' own pages
+            longest = max(r.start + 1 for r in batch.rows[len(sdpa):])
+            decode_pages = decode_pages[:, :-(-longest // ps)]
         b, lq = len(sdpa), max((r.q_len for r in sdpa), default=0)
         n_tok = sum(r.q_len for r in sdpa)
         fresh = bool(sdpa) and all(r.start == 0 for r in sdpa)
@@ -109,7 +114,7 @@ class ModelRunner:
             q_index=None if n_tok == b * lq else t["q_index"][:n_tok], batch=b, max_q=lq,
             page_size=ps,
             seq_lens=t["q_pos"][b:, 0] + 1 if n_dec else None,
-            decode_pages=t["kv_pages"][b:] if n_dec else None,
+            decode_pages=decode_pages,
             fresh_lens=tuple(r.q_len for r in sdpa) if fresh and not extend else None,
             extend_starts=tuple(r.start for r in sdpa) if extend else None,
             extend_lens=tuple(r.q_len for r in sdpa) if extend else None,

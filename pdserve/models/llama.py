@@ -8,9 +8,11 @@ a GPU at small batch) runs efficiently.
 Attention reads and writes the paged KV pool (docs/architecture.md, "Memory"): the new
 tokens' K/V are written into their slots; decode rows (one new token each, in a decode or
 a mixed batch) then attend straight from the pool when the ops have a paged decode kernel
-(the native CPU kernels); prompts that start at position 0 attend with causal SDPA over
-their own k/v; every other row gathers its context *by page* (one contiguous
-`page_size x Hkv x D` block per page) into SDPA with a padded [B, 1, Lq, Lk] mask. The
+(native CPU kernels, Triton), else by SDPA over their own pages gathered, never padded to a
+prompt row's length; prompt rows use the ops' paged extend kernel where there is one;
+otherwise prompts that start at position 0 attend with causal SDPA over their own k/v and
+every other prompt row gathers its context *by page* (one contiguous `page_size x Hkv x D`
+block per page) into SDPA with a padded [B, 1, Lq, Lk] mask over the prompt rows only. The
 index tensors are built once per forward (`AttnMeta`) and shared by every layer. The small
 ops (norms, rope, SiLU) come from `self.ops` (pdserve/models/ops.py): torch reference ops
 or the fused CPU kernels, chosen by `--kernels`.
@@ -48,8 +50,8 @@ class AttnMeta:
     A batch's rows fall in two groups (docs/architecture.md: "Engine speed"): the first
     `batch` rows, whose tokens come first, attend through SDPA (fresh or gathered from the
     pool); the last `len(seq_lens)` rows, one token each, are decode rows that read the paged
-    pool in place (`ops.decode_attention`). A pure decode batch has `batch == 0` when the
-    ops have the paged kernel; a mixed batch has both groups."""
+    pool in place (`ops.decode_attention`) or, without a paged kernel, SDPA over their own
+    gathered pages. A pure decode batch has `batch == 0`; a mixed batch has both groups."""
 
     out_cache_loc: torch.Tensor  # [T] pool slot of each new token
     kv_pages: torch.Tensor  # [B, P] pool page of each context page (padded with page 0)
@@ -132,8 +134,11 @@ class Attention(nn.Module):
             else:
                 outs.append(_padded_attention(q[:te], k_buf, v_buf, meta, self.scale))
         if n_dec:  # decode rows: the last n_dec tokens, one per row
-            out = ops.decode_attention(q[t - n_dec:], k_buf, v_buf, meta.decode_pages,
-                                       meta.seq_lens, meta.page_size, self.scale)  # [Bd, H, D]
+            if ops.paged_decode(h, hkv, d):  # [Bd, H, D]
+                out = ops.decode_attention(q[t - n_dec:], k_buf, v_buf, meta.decode_pages,
+                                           meta.seq_lens, meta.page_size, self.scale)
+            else:
+                out = _gathered_decode(q[t - n_dec:], k_buf, v_buf, meta, self.scale)
             outs.append(out.view(n_dec, h * d))
         return _linear(ops, self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
 
@@ -173,7 +178,8 @@ def _padded_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     """q [T, H, D] -> [T, H*D]: gathers each row's context pages and runs SDPA over the
     padded [B, H, Lq, Lk] layout (the general path: prefill, chunks, mixed lengths)."""
     h, d = q.shape[1:]
-    keys, values = _gather_pages(k_buf, meta), _gather_pages(v_buf, meta)
+    keys = _gather_pages(k_buf, meta.kv_pages, meta.page_size)
+    values = _gather_pages(v_buf, meta.kv_pages, meta.page_size)
     b, lq = meta.batch, meta.max_q
     if meta.q_index is None:
         qp = q.reshape(b, lq, h, d)
@@ -189,13 +195,29 @@ def _padded_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     return out if meta.q_index is None else out[meta.q_index]
 
 
-def _gather_pages(buf: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """[slots, Hkv, D] pool buffer -> [B, Hkv, P*page_size, D] context of each row.
-    Indexing whole pages copies page-sized contiguous blocks instead of single rows."""
-    b, pages = meta.kv_pages.shape
+def _gathered_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     meta: AttnMeta, scale: float) -> torch.Tensor:
+    """Decode rows without a paged kernel: q [Bd, H, D] -> [Bd, H, D]. Only the decode rows'
+    own pages are gathered ([Bd, Hkv, Pd*page_size, D], Pd their longest context), so a
+    mixed batch never pads a decode row to a chunk's length; the mask [Bd, 1, 1, Lk] hides
+    each row's keys past its length."""
+    h = q.shape[1]
+    keys = _gather_pages(k_buf, meta.decode_pages, meta.page_size)
+    values = _gather_pages(v_buf, meta.decode_pages, meta.page_size)
+    key_pos = torch.arange(keys.shape[2], device=q.device)
+    mask = (key_pos.view(1, -1) < meta.seq_lens.view(-1, 1)).view(-1, 1, 1, keys.shape[2])
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                         scale=scale, enable_gqa=h != keys.shape[1])
+    return out.squeeze(2)  # [Bd, H, 1, D] -> [Bd, H, D]
+
+
+def _gather_pages(buf: torch.Tensor, kv_pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[slots, Hkv, D] pool buffer, [B, P] pages -> [B, Hkv, P*page_size, D] context of each
+    row. Indexing whole pages copies page-sized contiguous blocks instead of single rows."""
+    b, pages = kv_pages.shape
     hkv, d = buf.shape[1:]
-    paged = buf.view(-1, meta.page_size, hkv, d)
-    return paged[meta.kv_pages].view(b, pages * meta.page_size, hkv, d).transpose(1, 2)
+    paged = buf.view(-1, page_size, hkv, d)
+    return paged[kv_pages].view(b, pages * page_size, hkv, d).transpose(1, 2)
 
 
 class MLP(nn.Module):

@@ -189,3 +189,38 @@ def test_mixed_attention_equals_separate_forwards():
 def test_config_flag_is_visible():
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert "disable_mixed_batches" in names
+
+
+def test_torch_attention_never_pads_decode_rows_to_a_chunk(monkeypatch):
+    """Without paged kernels (torch ops), a mixed batch's decode rows gather only their own
+    pages: no SDPA call's score tensor [B, H, Lq, Lk] exceeds one chunk row over the long
+    prompt's context, where padding 8 decode rows to the chunk would make it 9x that. The
+    tokens equal the unmixed engine's."""
+    from engine_helpers import random_prompt
+
+    chunk, long_len, ps = 64, 400, 16
+    kw = {"kernels": "torch", "chunked_prefill_size": chunk, "page_size": ps}
+    mixed, apart = get_llm(**kw), get_llm(disable_mixed_batches=True, **kw)
+    vocab = mixed.engine.loaded.hf_config.vocab_size
+    prompts = [random_prompt(16, seed=300 + i, vocab=vocab) for i in range(8)]
+    prompts.append(random_prompt(long_len, seed=399, vocab=vocab))
+    params = greedy(24, ignore_eos=True)
+    want = run_ids(apart, prompts, params)
+
+    scores: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        scores.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    mixed_before = mixed.engine.sched.num_mixed_batches
+    got = run_ids(mixed, prompts, params)
+    monkeypatch.undo()
+    assert mixed.engine.sched.num_mixed_batches > mixed_before
+    assert got == want
+    heads = mixed.engine.loaded.hf_config.num_attention_heads
+    one_chunk_row = heads * chunk * -(-long_len // ps) * ps
+    assert scores and max(scores) <= one_chunk_row, (max(scores), one_chunk_row)
+    assert not pool_problems(mixed) and not pool_problems(apart)
