@@ -26,7 +26,8 @@ class EngineConfig:
     page_size: int = 16
     max_running_requests: int = 64
     max_total_tokens: int = 0  # KV pool size in tokens; 0 = derive from --kv-cache-mb
-    kv_cache_mb: int = 512
+    kv_cache_mb: int = 0  # 0 = --mem-fraction-static on CUDA, 512 MiB on CPU
+    mem_fraction_static: float = 0.85  # CUDA: share of the device for weights + KV + activations
     context_length: int = 0  # 0 = the model's max_position_embeddings
     chunked_prefill_size: int = 2048  # tokens of one request per prefill batch; 0 = no chunking
     # Token budget of one prefill batch. 2048 (vLLM's CPU server default too): a wave of
@@ -79,6 +80,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
         if self.kernels not in ("auto", "native", "torch"):
             raise ValueError(f"kernels must be auto|native|torch, got {self.kernels!r}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got "
+                             f"{self.mem_fraction_static}")
+        if self.kv_cache_mb < 0 or self.max_total_tokens < 0:
+            raise ValueError("kv_cache_mb and max_total_tokens must be >= 0")
         if self.attention_backend not in ("auto", "triton", "native", "torch"):
             raise ValueError("attention_backend must be auto|triton|native|torch, got "
                              f"{self.attention_backend!r}")
@@ -157,7 +163,12 @@ _HELP = {
     "page_size": "tokens per KV page",
     "max_running_requests": "most requests in the running batch",
     "max_total_tokens": "KV pool size in tokens (0: from --kv-cache-mb)",
-    "kv_cache_mb": "KV pool size in MiB when --max-total-tokens is 0",
+    "kv_cache_mb": "KV pool size in MiB when --max-total-tokens is 0 (0: on CUDA from "
+                   "--mem-fraction-static, on CPU 512 MiB)",
+    "mem_fraction_static": "CUDA nodes, when --kv-cache-mb and --max-total-tokens are 0: the "
+                           "share of the GPU's memory for weights, KV pool and activations "
+                           "(SGLang's meaning); the pool gets what is left after the weights "
+                           "and the measured peak of the largest prompt batch",
     "context_length": "longest prompt+output (0: model's limit)",
     "chunked_prefill_size": "most prompt tokens of one request per prefill batch (0: off)",
     "max_prefill_tokens": "token budget of one prefill batch",

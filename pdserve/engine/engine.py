@@ -15,6 +15,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.executor import InlineExecutor, ThreadedExecutor
 from pdserve.engine.future_map import FutureMap
 from pdserve.engine.kv_manager import KVManager
+from pdserve.engine.kv_sizing import kv_pool_size, probe_activation_peak
 from pdserve.engine.loop_choice import choose_loop
 from pdserve.engine.loops import NormalLoop, OverlapLoop
 from pdserve.engine.model_runner import ModelRunner
@@ -25,7 +26,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.staging import StagingRing
 from pdserve.engine.tp_driver import send_init, start_tp
-from pdserve.memory.host_pool import HostKVPool, host_pages_for
+from pdserve.memory.host_pool import HostKVPool, host_pages_for, host_pool_bytes
 from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
 from pdserve.models.attention_backends import choose_attention
@@ -64,7 +65,9 @@ class Engine:
             model, kv_heads = self.tp, self.tp_plan.local_kv_heads
         self.layout = KVLayout(hf.num_hidden_layers, kv_heads, head_dim,
                                self.loaded.dtype, cfg.page_size)
-        self.kv_pool = KVPool(self.layout, self._num_pages(), self.device)
+        self.pool_size = kv_pool_size(cfg, self.layout, self.device, self._probe_activations)
+        log.info("KV pool: %d pages (%s)", self.pool_size.pages, self.pool_size.reason)
+        self.kv_pool = KVPool(self.layout, self.pool_size.pages, self.device)
         if self.tp is not None:
             send_init(self.tp, self.kv_pool.num_pages)
         req_pool = ReqToTokenPool(cfg.max_running_requests + 1, self.context_length + 1)
@@ -119,17 +122,20 @@ class Engine:
         if cfg.disable_prefix_cache:
             raise ValueError("--enable-hierarchical-cache needs the prefix cache "
                              "(drop --disable-prefix-cache)")
+        pin = self.device.type == "cuda"
         pages = host_pages_for(self.layout, self.kv_pool.num_pages, cfg.hicache_ratio,
-                               cfg.hicache_size)
-        host = HostKVPool(self.layout, pages, pin=self.device.type == "cuda")
-        log.info("HiCache: host tier of %d pages (%.1f MiB), policy %s", pages,
-                 pages * host.page_bytes_all_layers / (1 << 20), cfg.hicache_write_policy)
+                               cfg.hicache_size, pin)
+        host = HostKVPool(self.layout, pages, pin)
+        log.info("HiCache: host tier of %d pages (%.1f MiB, %.1f MiB of RAM), policy %s", pages,
+                 pages * host.page_bytes_all_layers / (1 << 20),
+                 host_pool_bytes(self.layout, pages, pin) / (1 << 20), cfg.hicache_write_policy)
         return host, HiCacheController(self.kv_pool, host, self.device)
 
-    def _num_pages(self) -> int:
-        tokens = self.cfg.max_total_tokens or (self.cfg.kv_cache_mb << 20) // \
-            self.layout.bytes_per_token
-        return max(2, tokens // self.cfg.page_size)
+    def _probe_activations(self) -> int:
+        """Activation peak of the largest prompt batch this node admits (device bytes)."""
+        model = self.loaded.model
+        return probe_activation_peak(model, self.layout, self.device, self.cfg.max_prefill_tokens,
+                                     self.cfg.max_running_requests, model.paged_extend())
 
     @property
     def max_total_tokens(self) -> int:
@@ -241,6 +247,7 @@ class Engine:
                 "attention_backend": self.attn_choice.backend,
                 "attention_backend_reason": self.attn_choice.reason,
                 "attention": self.runner.attention_paths(),
+                "kv_pool_reason": self.pool_size.reason,
                 "cuda_graphs": self.runner.graphs_info(),
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "page_size": self.cfg.page_size,

@@ -16,9 +16,25 @@ from pdserve.memory.kv_pool import KVLayout
 from pdserve.memory.page_allocator import PageAllocator
 
 
-def host_pages_for(layout: KVLayout, device_pages: int, ratio: float, size_gib: float) -> int:
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned host allocator really takes for one block of `nbytes`: it rounds
+    each block up to a power of two (CachingHostAllocator, below its default unlimited
+    round threshold), so a 5 GiB buffer holds 8 GiB of RAM."""
+    return 1 << max(0, (nbytes - 1).bit_length())
+
+
+def host_pool_bytes(layout: KVLayout, pages: int, pin: bool) -> int:
+    """RAM a host pool of `pages` takes: one K and one V buffer per layer, each rounded up
+    by the pinned allocator when pinned."""
+    buffer = pages * layout.page_bytes
+    return 2 * layout.num_layers * (pinned_bytes(buffer) if pin else buffer)
+
+
+def host_pages_for(layout: KVLayout, device_pages: int, ratio: float, size_gib: float,
+                   pin: bool = False) -> int:
     """Host pool size in pages: `size_gib` when set, else `ratio` x the device pool.
-    Raises ValueError when that does not fit this machine's memory."""
+    Raises ValueError when what it really allocates (pinned: rounded up per buffer) does
+    not fit this machine's memory."""
     page_all_layers = 2 * layout.num_layers * layout.page_bytes
     if size_gib > 0:
         pages = int(size_gib * (1 << 30)) // page_all_layers
@@ -27,11 +43,13 @@ def host_pages_for(layout: KVLayout, device_pages: int, ratio: float, size_gib: 
     if pages < 1:
         raise ValueError("the host KV pool (--hicache-ratio / --hicache-size) must hold at "
                          "least one page")
-    need, have = pages * page_all_layers, physical_memory_bytes()
+    need, have = host_pool_bytes(layout, pages, pin), physical_memory_bytes()
     if have and need > have * 0.9:
-        raise ValueError(f"the host KV pool needs {need / (1 << 30):.1f} GiB but this machine "
-                         f"has {have / (1 << 30):.1f} GiB of memory; lower --hicache-ratio "
-                         "or --hicache-size")
+        pinned = (f" (pinned: {pages * page_all_layers / (1 << 30):.1f} GiB rounded up to a "
+                  "power of two per layer buffer)") if pin else ""
+        raise ValueError(f"the host KV pool needs {need / (1 << 30):.1f} GiB{pinned} but this "
+                         f"machine has {have / (1 << 30):.1f} GiB of memory; lower "
+                         "--hicache-ratio or --hicache-size")
     return pages
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.config import EngineConfig
 from pdserve.cpus import split_cores, usable_cores
 from pdserve.devices import kv_device_type, torch_cuda_version
 from pdserve.ports import check_port_free, free_port
@@ -29,6 +30,7 @@ from pdserve.stack.config import StackConfig
 
 LOOPBACK = "127.0.0.1"
 PORT_RETRIES = 3
+MEM_FRACTION_STATIC = EngineConfig.mem_fraction_static  # a node's default share of its GPU
 _REGISTRY_PORT = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
@@ -116,6 +118,7 @@ class Stack:
         if cfg.registry_token:
             cmd += ["--registry-token-file", self._token_file()]
         cmd += ["--transfer-backend", self.backend, "--threads", str(self.node_threads)]
+        cmd += self._gpu_share()
         cmd += shlex.split(cfg.node_args)  # last: its flags win (argparse keeps the last)
         return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
 
@@ -142,6 +145,16 @@ class Stack:
             return "mooncake"
         self.say(f"  mooncake is unavailable here ({problem}); using the tcp KV backend")
         return "tcp"
+
+    def _gpu_share(self) -> list[str]:
+        """Nodes on one GPU split --mem-fraction-static (each sizes its KV pool from its
+        share), unless --node-args sizes the pools itself."""
+        args = shlex.split(self.cfg.node_args)
+        sized = ("--kv-cache-mb", "--max-total-tokens", "--mem-fraction-static")
+        if self._node_device() != "cuda" or any(a.split("=", 1)[0] in sized for a in args):
+            return []
+        share = MEM_FRACTION_STATIC / (self.cfg.prefill + self.cfg.decode)
+        return ["--mem-fraction-static", f"{share:.3f}"]
 
     def _node_device(self) -> str:
         """Device type the nodes' KV pools will be on (their --device, default auto)."""

@@ -89,3 +89,19 @@ def test_every_stack_field_is_a_flag():
             for f in fields(cls):
                 if f.name != "stack":
                     assert "--" + f.name.replace("_", "-") in flags, (command, f.name)
+
+
+def test_nodes_on_one_gpu_split_the_memory_fraction(tmp_path):
+    """`pdserve up` with nodes on CUDA gives each its share of --mem-fraction-static (they
+    share the GPU), unless --node-args sizes the pools; CPU nodes get no such flag."""
+    from pdserve.stack.stack import Stack
+
+    def node_cmd(node_args: str, prefill: int = 1, decode: int = 1) -> list[str]:
+        cfg = StackConfig(model="tiny-llama", prefill=prefill, decode=decode,
+                          node_args=node_args, log_dir=str(tmp_path), transfer_backend="tcp")
+        return Stack(cfg, say=lambda *_: None)._node("p0", "prefill", 1).child.cmd
+
+    cmd = node_cmd("--device cuda", prefill=1, decode=3)
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.212"  # 0.85 / 4
+    assert "--mem-fraction-static" not in node_cmd("--device cuda --kv-cache-mb=4096")
+    assert "--mem-fraction-static" not in node_cmd("--device cpu")
