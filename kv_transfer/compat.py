@@ -66,3 +66,28 @@ def transfer_refusal(f: TransferFacts) -> str | None:
         return (f"the installed Mooncake build is for {builds[0]} but torch uses CUDA "
                 f"{f.torch_cuda}; " + CUDA_FIX)
     return None  # a CUDA build, or a build of unknown origin (e.g. from source)
+
+
+# The pdserve extra that installs each Mooncake build (pyproject.toml).
+BUILD_OF_EXTRA = {"mooncake": "non-cuda", "cuda12": "cuda12", "cuda": "cuda13"}
+
+
+def image_refusal(extras: str, torch_cuda: str | None) -> str | None:
+    """Why an image built with `--build-arg EXTRAS=extras` over a torch for `torch_cuda`
+    (None: a CPU torch) would have its GPU nodes refuse to start, or None. Decided at
+    build time, without a GPU: a CUDA build's engine cannot import without the driver, so
+    only the build/torch match is checked (the node checks the import at start)."""
+    builds = tuple(BUILD_OF_EXTRA[e] for e in extras.split(",") if e in BUILD_OF_EXTRA)
+    if torch_cuda is None:
+        if any(b != "non-cuda" for b in builds):
+            return (f"EXTRAS={extras} installs a CUDA build of Mooncake over a CPU torch; "
+                    "use EXTRAS=mooncake")
+        return None
+    major = torch_cuda.split(".")[0]
+    want = {"12": "cuda12", "13": "cuda"}.get(major, "cuda")
+    if not builds:
+        return None  # no Mooncake: the nodes run --transfer-backend tcp
+    problem = transfer_refusal(TransferFacts("cuda", "mooncake", builds, None, torch_cuda))
+    if problem is not None:
+        return f"EXTRAS={extras} with torch for CUDA {torch_cuda}: {problem}; use EXTRAS={want}"
+    return None

@@ -129,3 +129,40 @@ def test_image_check_script_is_valid_bash():
     res = subprocess.run(["bash", "-n", str(REPO / "scripts" / "image_check.sh")],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def _gpu_recipes() -> list[str]:
+    """The GPU `docker build` commands of the README and the Dockerfile's header."""
+    readme = (REPO / "README.md").read_text()
+    header = "\n".join(ln.lstrip("# ") for ln in DOCKERFILE.splitlines() if ln.startswith("#"))
+    return [m.group(0).replace("\\\n", " ") for text in (readme, header)
+            for m in re.finditer(r"docker build -t pdserve-cuda\S*(?:[^\n]*\\\n)*[^\n]*", text)]
+
+
+def test_gpu_image_recipes_pick_the_mooncake_build_of_their_torch():
+    from kv_transfer.compat import image_refusal
+
+    recipes = _gpu_recipes()
+    assert len(recipes) == 2, recipes
+    for cmd in recipes:
+        cu = re.search(r"whl/cu(\d+)", cmd).group(1)  # cu128 -> CUDA 12.8
+        extras = re.search(r"--build-arg EXTRAS=(\S+)", cmd)
+        assert extras, f"a GPU recipe without EXTRAS installs the non-CUDA Mooncake: {cmd}"
+        assert image_refusal(extras.group(1), f"{cu[:-1]}.{cu[-1]}") is None, cmd
+    # The chart's GPU values use that image.
+    import yaml
+
+    rdma = yaml.safe_load((REPO / "helm" / "ci-values" / "rdma.yaml").read_text())
+    assert rdma["engine"]["device"] == "cuda"
+    assert rdma["image"]["repository"].endswith("/pdserve-cuda")
+
+
+def test_image_refusal_catches_each_mismatch():
+    from kv_transfer.compat import image_refusal
+
+    assert "non-cuda" in image_refusal("mooncake", "12.8")  # the old GPU recipe
+    assert "cuda12" in image_refusal("cuda", "12.8") and "EXTRAS=cuda12" in image_refusal(
+        "cuda", "12.8")
+    assert image_refusal("cuda", "13.0") is None and image_refusal("cuda12", "12.4") is None
+    assert image_refusal("mooncake", None) is None
+    assert "CPU torch" in image_refusal("cuda12", None)
