@@ -40,6 +40,7 @@ class EngineClient:
         self.ready: m.Ready | None = None
         self.stats: m.Stats | None = None
         self.alive = True
+        self.died = asyncio.Event()  # set once the scheduler process is found dead
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -138,6 +139,7 @@ class EngineClient:
                 log.error("scheduler process died (exit code %s)", self.proc.exitcode)
                 self.alive = False
                 self._fail_all("the scheduler process died")
+                self.died.set()
                 return
 
     def _fail_all(self, message: str) -> None:

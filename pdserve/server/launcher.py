@@ -5,7 +5,8 @@ requests, open requests finish for up to --drain-timeout-s); then uvicorn stops 
 and lets open requests finish (bounded by `GRACEFUL_S`), the lifespan exit tells the
 scheduler to abort what is left and stop, and the scheduler process is joined
 (terminated, then killed, if it does not exit in time).
-No process outlives the server.
+A scheduler that dies fails every open request; the node answers 503 for `DEATH_GRACE_S`,
+then shuts down the same way and exits 1. No process outlives the server.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from pdserve.server.metrics import Metrics
 
 log = logging.getLogger("pdserve.server")
 GRACEFUL_S = 10
+# A dead scheduler: /livez answers 503 this long (the failed requests' errors reach their
+# clients, a probe sees why), then the node exits 1 for its supervisor to restart it.
+DEATH_GRACE_S = 2.0
 STARTUP_TIMEOUT_S = 900  # first start may convert SmolLM2 from GGUF
 
 
@@ -178,7 +182,18 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
         timeout_graceful_shutdown=2 if cfg.pd is not None else GRACEFUL_S,
         access_log=cfg.log_level == "debug", http=guarded_protocol(cfg.http_limits)),
         drain if cfg.pd is not None else None)
+    async def exit_when_the_scheduler_dies():
+        await client.died.wait()
+        log.critical("the scheduler process died (exit code %s): this node exits 1 in %gs",
+                     proc.exitcode, DEATH_GRACE_S)
+        await asyncio.sleep(DEATH_GRACE_S)
+        server.should_exit = True
+
+    watcher = asyncio.ensure_future(exit_when_the_scheduler_dies())
     log.info("serving %s (%s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
-    await server.serve(sockets=[http_sock])
+    try:
+        await server.serve(sockets=[http_sock])
+    finally:
+        watcher.cancel()
     ctx.term()
-    return 0
+    return 1 if client.died.is_set() else 0

@@ -191,8 +191,8 @@ def run_scheduler(cfg: ServerConfig, recv_addr: str, send_addr: str, parent_pid:
         service.serve_forever(parent_pid)
     except Exception as exc:
         # An engine fault (a forward or HiCache copy thread that failed, a device error):
-        # one line that says so, with the traceback; the process then exits 1 and the HTTP
-        # process fails the open requests and turns /livez 503.
+        # one line that says so, with the traceback; the process then exits 1, and the HTTP
+        # process fails the open requests, turns /livez 503 and exits 1 itself.
         log.critical("scheduler stopped by an engine error: %s: %s", type(exc).__name__, exc,
                      exc_info=True)
         raise

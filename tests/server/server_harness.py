@@ -66,12 +66,14 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.children: dict[int, str] = {}
         self.returncode: int | None = None
+        self.env_extra: dict[str, str] = {}  # set before start()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Server:
         self._log = open(self.log_path, "w")  # closed in stop()
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir),
+               **self.env_extra}
         self.proc = subprocess.Popen(
             serve_cmd(*self.flags, port=self.port), cwd=REPO, env=env, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True)
