@@ -106,12 +106,20 @@ def test_extend_matches_reference(page_size, h, hkv, d, dtype):
     er = ta.ExtendRows(tuple(p for p, _ in rows), tuple(n for _, n in rows), q.device)
     out = ta.extend_attention(q, pool.k, pool.v, table, er, page_size, scale, block=16)
     assert out.shape == (t, h * d) and out.dtype == dtype
+    check_extend(out, q, pool, table, rows, scale)
+
+
+def check_extend(out: torch.Tensor, q: torch.Tensor, pool: Pool, table: torch.Tensor,
+                 rows: list[tuple[int, int]], scale: float) -> None:
+    """`out` [T, H*D] of extend rows (cached prefix, new tokens) against the reference."""
+    h, d = q.shape[1:]
+    tol = TOL[q.dtype]
     start = 0
     for i, (p, n) in enumerate(rows):
         k, v = pool.context(table, i, p + n)
         want = reference(q[start:start + n], k, v, p, scale).reshape(n, h * d)
-        torch.testing.assert_close(out[start:start + n].double(), want, atol=TOL[dtype],
-                                   rtol=TOL[dtype])
+        torch.testing.assert_close(out[start:start + n].double().cpu(), want, atol=tol,
+                                   rtol=tol)
         start += n
 
 

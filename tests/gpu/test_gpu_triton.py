@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import TINY_PROMPTS, pool_problems
-from test_triton_attention import TOL, Pool, reference
+from test_triton_attention import TOL, Pool, check_extend, reference
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import triton_attention as ta
@@ -27,7 +27,9 @@ def test_decode_and_extend_on_cuda_match_reference(dtype, h, hkv, d):
     assert not ta.INTERPRETED, "TRITON_INTERPRET is set on a CUDA machine"
     ps, scale = 16, d ** -0.5
     lens = [1, 37, 700, 4100]
-    pool = Pool(hkv, d, ps, sum(-(-n // ps) for n in lens) + 8, dtype, seed=h + d)
+    rows = [(0, 300), (16, 9), (640, 60), (4096, 4)]  # extend rows: (cached prefix, new)
+    need = sum(-(-n // ps) for n in lens + [p + n for p, n in rows])
+    pool = Pool(hkv, d, ps, need + 8, dtype, seed=h + d)
     table = pool.pages(lens)
     k, v, pages = _on_cuda(pool, table)
     q = torch.randn(len(lens), h, d).to(dtype)
@@ -39,19 +41,13 @@ def test_decode_and_extend_on_cuda_match_reference(dtype, h, hkv, d):
         torch.testing.assert_close(out[i].double().cpu(), want, atol=TOL[dtype],
                                    rtol=TOL[dtype])
 
-    rows = [(0, 300), (16, 9), (640, 60), (4096, 4)]  # (cached prefix, new tokens)
-    t = sum(n for _, n in rows)
-    q = torch.randn(t, h, d).to(dtype)
+    table = pool.pages([p + n for p, n in rows])
+    k, v, pages = _on_cuda(pool, table)
+    q = torch.randn(sum(n for _, n in rows), h, d).to(dtype)
     er = ta.ExtendRows(tuple(p for p, _ in rows), tuple(n for _, n in rows),
                        torch.device("cuda"))
-    out = ta.extend_attention(q.cuda(), k, v, pages, er, ps, scale).cpu()
-    start = 0
-    for i, (p, n) in enumerate(rows):
-        kc, vc = pool.context(table, i, p + n)
-        want = reference(q[start:start + n], kc, vc, p, scale).reshape(n, h * d)
-        torch.testing.assert_close(out[start:start + n].double(), want, atol=TOL[dtype],
-                                   rtol=TOL[dtype])
-        start += n
+    check_extend(ta.extend_attention(q.cuda(), k, v, pages, er, ps, scale), q, pool, table,
+                 rows, scale)
 
 
 def test_default_cuda_backend_is_triton_and_token_exact_with_torch():
