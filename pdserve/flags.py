@@ -43,8 +43,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, 
         default = (defaults or {}).get(f.name, f.default)
         assert default is not MISSING, f"{cls.__name__}.{f.name} needs a default"
         kind = f.type if isinstance(f.type, type) else _TYPES.get(str(f.type), str)
-        if show_default:
-            text = f"{text} (default: {default!r})"
+        if show_default:  # argparse fills it in; a defaults formatter then adds no second
+            text = f"{text} (default: %(default)r)"
         group.add_argument(flag_name(f.name), type=kind, default=default, help=text, **extra)
 
 
