@@ -83,11 +83,11 @@ def image_refusal(extras: str, torch_cuda: str | None) -> str | None:
             return (f"EXTRAS={extras} installs a CUDA build of Mooncake over a CPU torch; "
                     "use EXTRAS=mooncake")
         return None
-    major = torch_cuda.split(".")[0]
-    want = {"12": "cuda12", "13": "cuda"}.get(major, "cuda")
     if not builds:
         return None  # no Mooncake: the nodes run --transfer-backend tcp
     problem = transfer_refusal(TransferFacts("cuda", "mooncake", builds, None, torch_cuda))
     if problem is not None:
+        build = f"cuda{torch_cuda.split('.')[0]}"
+        want = next((e for e, b in BUILD_OF_EXTRA.items() if b == build), "cuda")
         return f"EXTRAS={extras} with torch for CUDA {torch_cuda}: {problem}; use EXTRAS={want}"
     return None

@@ -176,6 +176,8 @@ def _extend(Q, K, V, OUT, PAGES, Q_START, PREFIX, Q_LEN, scale, page_size,
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # The same page walk as _decode_split's, written out again: a shared @triton.jit helper
+    # would cost a re-patch per call in the interpreter (see _ADD above).
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         pmask = pos < kv_end

@@ -39,10 +39,13 @@ class EngineClient:
         self.proc = proc
         self.ready: m.Ready | None = None
         self.stats: m.Stats | None = None
-        self.alive = True
         self.died = asyncio.Event()  # set once the scheduler process is found dead
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def alive(self) -> bool:
+        return not self.died.is_set()
 
     # -- lifecycle ---------------------------------------------------------------------
     async def wait_ready(self, timeout_s: float) -> m.Ready:
@@ -137,9 +140,8 @@ class EngineClient:
             await asyncio.sleep(0.2)
             if not self.proc.is_alive():
                 log.error("scheduler process died (exit code %s)", self.proc.exitcode)
-                self.alive = False
+                self.died.set()  # alive is False from here on
                 self._fail_all("the scheduler process died")
-                self.died.set()
                 return
 
     def _fail_all(self, message: str) -> None:
