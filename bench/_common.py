@@ -8,6 +8,8 @@ import platform
 import time
 from pathlib import Path
 
+from pdserve.cpus import cpu_description
+
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
@@ -37,7 +39,8 @@ def write_json(path: str, summary: dict, rows: list[dict], args: argparse.Namesp
         "rows": rows,
         "args": vars(args),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"python": platform.python_version(), "cpu": platform.processor()},
+        "machine": {"python": platform.python_version(), "cpu": cpu_description(),
+                    "arch": platform.machine()},
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2))

@@ -293,6 +293,13 @@ class HiRadixCache(RadixCache):
         """Some submitted copy is not acknowledged yet (its node is still locked)."""
         return bool(self._pending)
 
+    def wait_oldest(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the oldest unacknowledged copy, then acknowledge what
+        finished. The wait releases the GIL, so the copy thread runs meanwhile."""
+        if self._pending:
+            self.ctrl.wait(min(self._pending), timeout)
+            self.check_acks()
+
     def reset(self) -> None:
         """Drop everything unlocked from both tiers (tests: pools back to full)."""
         if self._pending:

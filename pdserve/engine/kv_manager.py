@@ -111,6 +111,14 @@ class KVManager:
         if self.hi is not None:
             self.hi.check_acks()
 
+    def wait_for_copy(self, timeout: float) -> bool:
+        """Nothing can run until a HiCache copy unlocks its pages: wait (GIL released) up to
+        `timeout` s for the oldest one. False, at once, when no copy is pending."""
+        if self.hi is None or not self.hi.has_pending:
+            return False
+        self.hi.wait_oldest(timeout)
+        return True
+
     def load_barrier(self) -> int:
         """The newest HiCache load a batch launched now must wait for, per layer (0: none)."""
         if self.ctrl is None or not self.ctrl.is_loading():

@@ -34,6 +34,12 @@ class Verdict(enum.Enum):
 
 NEED_SYNC = Verdict.NEED_SYNC
 
+# Longest wait, per step, for a HiCache copy when a waiting request cannot be admitted and
+# nothing else can run: its pages are locked until a backup or load completes. Waiting (GIL
+# released) instead of retrying at once lets the copy thread run; re-polling the engine's
+# inputs at least this often keeps new arrivals and aborts moving.
+COPY_WAIT_S = 0.005
+
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVManager, future_map: FutureMap,
@@ -81,7 +87,7 @@ class Scheduler:
                 self.num_mixed_batches += 1
             return self._launchable("extend", rows)
         if not decoding:
-            if not in_flight:
+            if not in_flight and not (self.waiting and self.kv.wait_for_copy(COPY_WAIT_S)):
                 self._unwedge_prefill()
             return None
         if self._pages_for_decode(decoding) > self.kv.available_pages:
