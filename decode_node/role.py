@@ -17,7 +17,10 @@ decode node:
 4. Decode. The shared overlap loop decodes it with FutureMap token resolution;
    retraction under KV pressure re-prefills it locally from prompt + outputs.
 Abort at any stage: a receiver still transferring is aborted and its pages are freed
-only once it is Failed (then no write from the prefill can land any more).
+only once it is Failed (then no write from the prefill can land any more). A transfer that
+fails while the prefill may still be writing (it went silent mid-transfer) is `doomed`
+first: the request ends with the error at once, its pages and metadata row wait in
+`draining` until the receiver is Failed (quarantine, kv_transfer/decode_control.py).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ class DecodeRole(TransferRole):
         super().__init__(transfer, model_name)
         self.prealloc: list[Req] = []  # step 2
         self.transferring: list[Req] = []  # step 3
-        self.draining: list[Req] = []  # aborted while transferring: waiting for Failed
+        # Ended while the prefill may still write their pages (aborted, or doomed while
+        # transferring): they keep pages and metadata row until the receiver is Failed.
+        self.draining: list[Req] = []
 
     def attach(self, ctx: RoleContext) -> None:
         super().attach(ctx)
@@ -135,7 +140,7 @@ class DecodeRole(TransferRole):
                 self.transferring.remove(req)
                 self._commit(req)
                 committed = True
-            elif state == KVPoll.Failed:
+            elif state == KVPoll.Failed or req.pd.receiver.doomed:
                 self.transferring.remove(req)
                 self._fail(req, req.pd.receiver.failure_reason or "KV transfer failed",
                            req.pd.receiver.peer_fault)
@@ -158,10 +163,12 @@ class DecodeRole(TransferRole):
             self.queue.add_prefilled(req)
 
     def _fail(self, req: Req, reason: str, prefill_fault: bool = False) -> None:
-        """The receiver is terminal here, so no write can land: free everything now.
-        `prefill_fault`: the prefill node caused it; the client (the router) is told so
-        with the error code `prefill_failed`, to blame that node and retry elsewhere."""
-        self._free_meta(req)
+        """End `req` with the error. Its KV is freed now when the receiver is terminal (no
+        write can land), else once it is (`hold_on_finish`). `prefill_fault`: the prefill
+        node caused it; the client (the router) is told so with the error code
+        `prefill_failed`, to blame that node and retry elsewhere."""
+        if req.pd.receiver.poll().terminal:
+            self._free_meta(req)
         req.error = f"KV transfer from the prefill node failed: {reason}" if prefill_fault \
             else reason
         req.error_code = "prefill_failed" if prefill_fault else None
@@ -178,10 +185,16 @@ class DecodeRole(TransferRole):
             req.pd.receiver.abort(req.error or "aborted")
             self.draining.append(req)
             return True
+        pd = getattr(req, "pd", None)
+        if pd is not None and pd.meta_slot is not None and not pd.receiver.poll().terminal:
+            self.out.report(req)  # doomed: the client hears now, the pages wait
+            self.draining.append(req)
+            return True
         return False
 
     def stats(self) -> dict:
         return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transferring),
                 "free_metadata_slots": self.meta.num_free,
-                "total_metadata_slots": self.meta.size, "transfer": self.mgr.metrics()}
+                "total_metadata_slots": self.meta.size,
+                "draining": len(self.draining), "transfer": self.mgr.metrics()}
 

@@ -50,6 +50,12 @@ class KVTransferConfig:
     # delays the failure of a dead peer's rooms beyond the heartbeat bound.
     lease_s: float = 0.0
     lease_margin_s: float = 0.0
+    # Decode: a room failed while the prefill may still be writing it (the prefill went
+    # silent or never confirmed an abort) keeps its pages out of use until the prefill
+    # confirms nothing of it is in flight, or is gone (docs/architecture.md: KV transfer).
+    # False: the pages are freed once the lease (plus margin) ran out, which a write batch
+    # already under way when the prefill paused can outlast (kept for tests and A/B runs).
+    quarantine: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("mooncake", "tcp"):

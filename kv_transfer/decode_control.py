@@ -8,8 +8,19 @@ asks the prefill to stop (Abort) and is reported Failed only when the prefill co
 (AbortAck / Failed status) or the heartbeat bound passes: the scheduler frees a room's
 pages on Failed, so Failed must mean "no write can land any more". Write fencing
 (kv_transfer/lease.py): every Request and every Lease answer grants the room's writes for
-`lease_s`; a room failed without the prefill's confirmation is reported Failed only once
-`lease_s + lease_margin_s` have passed since its last grant (it waits in `_fencing`).
+`lease_s`, and the prefill checks the lease before each write batch.
+
+A lease cannot stop a batch that was already under way when the prefill paused (SIGSTOP, a
+stalled VM): its tail lands whenever the prefill wakes. So a requested room failed without
+the prefill's confirmation is *quarantined* (`config.quarantine`): its status is doomed at
+once (the request ends with the error) but turns Failed, which frees the pages, only when
+the prefill confirms nothing of the room is in flight (AbortAck, or a Failed or Success
+status of the room; we re-send the Abort every heartbeat interval) or the prefill is gone:
+it answers as a new instance, or its control connection broke and reconnecting has been
+refused for a heartbeat deadline (the port is closed: no process is left to write). The
+tcp backend needs none of this: its receiver refuses every write of a closed room
+(`WriteFence`). Without quarantine, such a room is reported Failed once `lease_s +
+lease_margin_s` have passed since its last grant (it waits in `_fencing`).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kv_transfer.args import KVArgs
 from kv_transfer.config import KVTransferConfig
@@ -28,6 +40,7 @@ from kv_transfer.loop import ControlLoop
 from kv_transfer.memory import HostMemory, page_regions
 from kv_transfer.messages import (
     MAX_MESSAGE_BYTES,
+    QUARANTINE_ABORT,
     Abort,
     AbortAck,
     BadMessage,
@@ -51,6 +64,11 @@ log = logging.getLogger(__name__)
 # silent, failed, timed out, or sent something wrong), which is then to blame.
 _OWN_FAILURES = ("aborted by decode", "invalid init", "bootstrap timeout: init()",
                  "duplicate room")
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+# Reconnect attempts that must fail after a broken control connection before the prefill
+# counts as gone (the first retry event follows the disconnect itself; a refused connect
+# fails at once, every reconnect interval, while an unreachable host just hangs).
+_GONE_AFTER_RETRIES = 3
 
 
 @dataclass
@@ -63,6 +81,15 @@ class PrefillPeer:
     seq: int = 0
     instance: str | None = None
     registered: bool = False
+    # Control connection, from the socket monitor: a broken one whose reconnects keep
+    # being refused means no process serves the endpoint any more.
+    connected: bool = False
+    down_since: float = 0.0
+    retries: int = 0
+
+    def gone(self, now: float, deadline_s: float) -> bool:
+        return (not self.connected and self.retries >= _GONE_AFTER_RETRIES
+                and now - self.down_since >= deadline_s)
 
 
 class DecodeControl(ControlLoop):
@@ -80,16 +107,22 @@ class DecodeControl(ControlLoop):
         # reason). Out of `_rooms`, so nothing resurrects them and no lease lists them.
         self._fencing: dict[int, tuple[float, ReceiverRoom, str]] = {}
         self._fence = fence  # the receiver's check of each write, where it sees them
+        # Doomed rooms whose pages the prefill may still write (quarantine, see above).
+        self._quarantine: dict[int, ReceiverRoom] = {}
+        self.quarantined_pages = 0  # gauge; an int, safe to read from another thread
 
     def num_rooms(self) -> int:
         """Rooms still tracked; len() of a dict is safe to read from another thread."""
         return len(self._rooms)
 
+    def num_quarantined(self) -> int:
+        return len(self._quarantine)
+
     # ---- operations posted by KVReceiver ----------------------------------------------
 
     def add_receiver(self, room: int, status: RoomStatus, endpoint: str,
                      heads: HeadRun | None = None) -> None:
-        if room in self._rooms or room in self._fencing:
+        if room in self._rooms or room in self._fencing or room in self._quarantine:
             return self._fail_status(status, "duplicate room: a receiver for it is live")
         self._stats.inc("rooms_started")
         # Until init() the request may sit in the scheduler's pre-allocation queue; the
@@ -160,12 +193,41 @@ class DecodeControl(ControlLoop):
             self._fence.close(r.room)  # from here on no write of this room lands
         if failure is None:
             return
+        if not r.requested or confirmed or (self._cfg.quarantine and self._fence is not None):
+            return self._fail_status(r.status, failure)  # no write of it can land any more
+        if self._cfg.quarantine:
+            return self._hold(r, failure)
         release = r.granted_until + self._cfg.write_lease_margin_s
         if not confirmed and time.monotonic() < release:
             self._stats.inc("fenced_rooms")
             self._fencing[r.room] = (release, r, failure)
         else:
             self._fail_status(r.status, failure)
+
+    def _hold(self, r: ReceiverRoom, failure: str) -> None:
+        """Quarantine: the request fails now, the pages stay out of use (see above)."""
+        if not r.status.doom(failure, peer_fault=not failure.startswith(_OWN_FAILURES)):
+            return
+        self._stats.room_failed(failure)
+        self._stats.inc("rooms_quarantined")
+        log.warning("kv receiver failed: %s; its %d pages stay quarantined until prefill "
+                    "%s confirms or is gone", failure, len(r.dst_pages), r.endpoint)
+        self._quarantine[r.room] = r
+        self.quarantined_pages += len(r.dst_pages)
+        if (peer := self._peers.get(r.endpoint)) is not None:
+            self._send(peer, Abort(r.room, (QUARANTINE_ABORT + failure)[:256]))
+
+    def _release(self, room: int, why: str) -> None:
+        """No write of the quarantined room can land any more: Failed frees its pages."""
+        if (r := self._quarantine.pop(room, None)) is None:
+            return
+        self.quarantined_pages -= len(r.dst_pages)
+        log.info("kv receiver: room %d released from quarantine (%s)", room, why)
+        r.status.fail(r.status.reason or "failed")
+
+    def _release_peer(self, peer: PrefillPeer, why: str) -> None:
+        for room in [q for q, r in self._quarantine.items() if r.endpoint == peer.endpoint]:
+            self._release(room, why)
 
     def _local_fail(self, r: ReceiverRoom, reason: str) -> None:
         if r.abort_reason is not None or r.status.state.terminal:
@@ -178,6 +240,10 @@ class DecodeControl(ControlLoop):
         self._send(peer, Abort(r.room, reason[:256]))
 
     def _on_status(self, peer: PrefillPeer, msg: Status) -> None:
+        if (q := self._quarantine.get(msg.room)) is not None and q.endpoint == peer.endpoint:
+            if msg.state in (KVPoll.Failed, KVPoll.Success):  # sent with nothing in flight
+                self._release(msg.room, f"prefill reported {KVPoll(msg.state).name}")
+            return
         r = self._rooms.get(msg.room)
         if r is None or r.endpoint != peer.endpoint or not r.requested:
             return  # finished rooms are never resurrected by late messages
@@ -245,10 +311,23 @@ class DecodeControl(ControlLoop):
         except zmq.ZMQError:
             sock.close(0)
             return None
-        peer = PrefillPeer(endpoint, sock, last_heard=time.monotonic())
+        now = time.monotonic()
+        peer = PrefillPeer(endpoint, sock, last_heard=now, down_since=now)
         self._peers[endpoint] = peer
         self.add_socket(sock, lambda frames, p=peer: self._on_frames(p, frames))
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        monitor.setsockopt(zmq.LINGER, 0)
+        self.add_socket(monitor, lambda frames, p=peer: self._on_monitor(p, frames))
         return peer
+
+    def _on_monitor(self, peer: PrefillPeer, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            peer.connected, peer.retries = True, 0
+        elif event == zmq.EVENT_DISCONNECTED:
+            peer.connected, peer.retries, peer.down_since = False, 0, time.monotonic()
+        elif event == zmq.EVENT_CONNECT_RETRIED and not peer.connected:
+            peer.retries += 1
 
     def _send(self, peer: PrefillPeer, msg: Message) -> None:
         try:
@@ -272,6 +351,9 @@ class DecodeControl(ControlLoop):
         if isinstance(msg, Status):
             self._on_status(peer, msg)
         elif isinstance(msg, AbortAck):
+            q = self._quarantine.get(msg.room)
+            if q is not None and q.endpoint == peer.endpoint:
+                return self._release(msg.room, "prefill confirmed the abort")
             r = self._rooms.get(msg.room)
             if r is not None and r.endpoint == peer.endpoint and r.abort_reason is not None:
                 self._finish(r, r.abort_reason, confirmed=True)
@@ -293,6 +375,7 @@ class DecodeControl(ControlLoop):
     def _on_pong(self, peer: PrefillPeer, msg: Pong) -> None:
         if peer.instance is not None and msg.instance != peer.instance:
             self._peer_lost(peer, "prefill peer restarted")
+            self._release_peer(peer, "prefill restarted: the old process is gone")
         peer.instance = msg.instance
         if not msg.registered and peer.live:
             self._send(peer, self._register)
@@ -311,15 +394,24 @@ class DecodeControl(ControlLoop):
             if now >= release:  # no write of the prefill can land any more
                 del self._fencing[room]
                 self._fail_status(r.status, failure)
+        held: dict[str, list[int]] = {}
+        for room, r in self._quarantine.items():
+            held.setdefault(r.endpoint, []).append(room)
         for peer in self._peers.values():
-            if not peer.live:
+            rooms = held.get(peer.endpoint, [])
+            if rooms and peer.gone(now, self._cfg.heartbeat_deadline_s):
+                self._release_peer(peer, "prefill gone: its control port refuses connections")
+                rooms = []
+            if not peer.live and not rooms:
                 continue
-            if now - peer.last_heard > self._cfg.heartbeat_deadline_s:
+            if peer.live and now - peer.last_heard > self._cfg.heartbeat_deadline_s:
                 log.warning("kv control: prefill %s silent; failing its rooms", peer.endpoint)
                 self._peer_lost(peer, "prefill peer heartbeat lost")
             elif now >= peer.next_ping:
                 peer.seq += 1
                 self._send(peer, Ping(peer.seq))
+                for room in rooms:  # until it confirms: a woken prefill answers at once
+                    self._send(peer, Abort(room, QUARANTINE_ABORT + "room given up"))
                 peer.next_ping = now + self._cfg.heartbeat_interval_s
         for r in list(self._rooms.values()):
             if r.abort_reason is not None:

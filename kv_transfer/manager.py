@@ -66,8 +66,9 @@ class TransferManager:
                                           on_result=self._on_job_result, memory=self.memory)
             self._prefill.start()
         else:
-            fence = WriteFence(lambda: self.stats.inc("fenced_writes"))
-            self._backend.set_write_fence(fence)
+            fence: WriteFence | None = WriteFence(lambda: self.stats.inc("fenced_writes"))
+            if not self._backend.set_write_fence(fence):
+                fence = None  # one-sided writes: nothing on our side sees them
             self._decode = DecodeControl(self.args, self.config, self._registration(),
                                          self.stats, fence, memory=self.memory)
             self._decode.start()
@@ -123,10 +124,15 @@ class TransferManager:
     def metrics(self) -> dict[str, Any]:
         """Counters, plus `live_rooms`: rooms the control thread still tracks (0 once every
         request has ended, whatever the failures; len() of its dict is safe to read from
-        another thread)."""
+        another thread) and, on a decode, the quarantined rooms and their pages (failed
+        rooms a silent prefill may still write: decode_control.py)."""
         control = self._prefill if self._prefill is not None else self._decode
         live = control.num_rooms() if control is not None else 0
-        return {**self.stats.snapshot(), "live_rooms": live}
+        out = {**self.stats.snapshot(), "live_rooms": live}
+        if self._decode is not None:
+            out["quarantined_rooms"] = self._decode.num_quarantined()
+            out["quarantined_pages"] = self._decode.quarantined_pages
+        return out
 
     # ---- engine access (prefill) ----------------------------------------------------------
 
@@ -167,8 +173,14 @@ class TransferManager:
             return True
         self._closed = True
         ok = True
-        # Worker first: it posts results into the control loop.
-        for part in (self._worker, self._prefill, self._decode):
+        # Worker first: it posts results into the control loop. A worker still stuck in a
+        # write keeps the control socket open: a closed one tells the decode we are gone
+        # and may no longer write (decode_control.py); process exit closes it after the
+        # write was cut off.
+        if self._worker is not None and not self._worker.stop(timeout):
+            log.warning("kv manager: the transfer thread did not stop within %.1fs", timeout)
+            return False
+        for part in (self._prefill, self._decode):
             if part is not None:
                 ok &= part.stop(timeout)
         self._backend.close()

@@ -19,6 +19,10 @@ _MAX_STR = 4096
 _UINT64 = 1 << 64
 
 
+# Reason prefix of the Abort a decode sends for a room it failed while the prefill was
+# silent (quarantine): any send of it the prefill still wanted to make is a late write.
+QUARANTINE_ABORT = "quarantined: "
+
 class BadMessage(ValueError):
     """A control message that failed to parse or validate; `room` is set when known."""
 

@@ -29,6 +29,7 @@ COUNTERS = (
     "late_writes_refused",  # prefill: writes not made because the room's lease was gone
     "fenced_rooms",         # decode: failed rooms whose pages waited out their lease
     "fenced_writes",        # decode: incoming writes refused, their room closed (tcp)
+    "rooms_quarantined",    # decode: failed rooms whose pages waited for the prefill's word
 )
 
 

@@ -63,14 +63,33 @@ class RoomStatus:
                 self.finished_at = time.monotonic()
             return True
 
+    def doom(self, reason: str, peer_fault: bool = False) -> bool:
+        """Decode: the room has failed, but a write of the prefill may still land in its
+        pages (docs/architecture.md: KV transfer, quarantine). The reason is set now, so
+        the request can end; the state stays non-terminal until fail(), which frees the
+        pages. False when the room had already finished or been doomed."""
+        with self._lock:
+            if self._state.terminal or self._reason is not None:
+                return False
+            self.peer_fault = peer_fault
+            self._reason = reason
+            return True
+
+    @property
+    def doomed(self) -> bool:
+        """Failed for the request, its pages not yet free (see doom())."""
+        return self._reason is not None and not self._state.terminal
+
     def fail(self, reason: str, peer_fault: bool = False) -> bool:
         """Fail the room unless it already finished; the first reason wins. `peer_fault`:
-        the other node caused it (so a router can blame that node, not this one)."""
+        the other node caused it (so a router can blame that node, not this one). A doomed
+        room keeps its first reason and blame."""
         with self._lock:
             if self._state.terminal:
                 return False
-            self.peer_fault = peer_fault
+            if self._reason is None:
+                self.peer_fault = peer_fault
+                self._reason = reason
             self._state = KVPoll.Failed
-            self._reason = reason
             self.finished_at = time.monotonic()
             return True

@@ -28,6 +28,7 @@ from kv_transfer.loop import ControlLoop
 from kv_transfer.memory import page_regions, write_bytes
 from kv_transfer.messages import (
     MAX_MESSAGE_BYTES,
+    QUARANTINE_ABORT,
     Abort,
     AbortAck,
     BadMessage,
@@ -56,6 +57,17 @@ _HB_LOST = "decode peer heartbeat lost"
 # Failures after which the decode may reuse the room's pages: any write still wanted then
 # is a late write, refused and counted (late_writes_refused).
 _LATE = (_REVOKED, _HB_LOST)
+# The decode's abort of a room it failed while we were silent (its quarantine).
+_QUARANTINED = f"aborted by decode: {QUARANTINE_ABORT}"
+
+
+def _abort_reason(reason: str) -> str:
+    """Our failure for the decode's Abort (whose reason may already say who aborted)."""
+    return reason if reason.startswith("aborted by decode") else f"aborted by decode: {reason}"
+
+
+def _late(reason: str | None) -> bool:
+    return reason in _LATE or (reason or "").startswith(_QUARANTINED)
 
 
 class PrefillControl(ControlLoop):
@@ -74,6 +86,8 @@ class PrefillControl(ControlLoop):
         self._rooms: dict[int, SenderRoom] = {}
         self._pending: dict[int, tuple[bytes, Request, float]] = {}
         self._finished: OrderedDict[int, bool] = OrderedDict()  # room -> sends are late
+        # Rooms the decode aborted before their sender existed -> the failure it gets.
+        self._aborted: OrderedDict[int, str] = OrderedDict()
         self._peers: dict[bytes, DecodePeer] = {}
         self._src_bufs = args.layer_buffers()
 
@@ -97,6 +111,8 @@ class PrefillControl(ControlLoop):
                        heads=heads)
         self._rooms[room] = r
         self._stats.inc("rooms_started")
+        if (reason := self._aborted.pop(room, None)) is not None:
+            return self._fail(r, reason)  # the decode gave it up before we got to it
         if (pending := self._pending.pop(room, None)) is not None:
             self._accept(r, pending[0], pending[1])
 
@@ -266,7 +282,7 @@ class PrefillControl(ControlLoop):
             log.info("kv sender failed: %s", reason)
 
     def _fail(self, r: SenderRoom, reason: str) -> None:
-        if reason in _LATE and r.status.state != KVPoll.Failed and (
+        if _late(reason) and r.status.state != KVPoll.Failed and (
                 r.chunks or r.inflight or not r.sent_last):
             # It still meant to write: what it holds (or its next send) is refused.
             self._stats.inc("late_writes_refused", max(1, len(r.chunks)))
@@ -286,7 +302,7 @@ class PrefillControl(ControlLoop):
 
     def _finish(self, r: SenderRoom) -> None:
         self._rooms.pop(r.room, None)
-        self._finished[r.room] = r.status.reason in _LATE
+        self._finished[r.room] = _late(r.status.reason)
         while len(self._finished) > _MAX_FINISHED:
             self._finished.popitem(last=False)
 
@@ -368,12 +384,16 @@ class PrefillControl(ControlLoop):
             del self._pending[msg.room]
         r = self._rooms.get(msg.room)
         if r is None or r.peer != ident:
+            if r is None and msg.room not in self._finished:  # its sender may come yet
+                self._aborted[msg.room] = _abort_reason(msg.reason)
+                while len(self._aborted) > _MAX_FINISHED:
+                    self._aborted.popitem(last=False)
             self._reply(ident, AbortAck(msg.room))  # nothing of ours writes there
             return
         r.abort_ack_to = ident
         if r.status.state == KVPoll.Failed:
             return self._notify_failed(r)
-        self._fail(r, f"aborted by decode: {msg.reason}")
+        self._fail(r, _abort_reason(msg.reason))
 
     def _on_bad(self, ident: bytes, exc: BadMessage) -> None:
         self._stats.inc("bad_messages")

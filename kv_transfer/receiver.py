@@ -2,7 +2,8 @@
 
 Push model: the prefill writes straight into the pages given to init(). Success means
 every page and the metadata row have arrived (and matched the checksum when enabled).
-Failed means no write into this room's pages can land any more, so they may be freed.
+Failed means no write into this room's pages can land any more, so they may be freed;
+a room that failed while writes may still land is `doomed` first (its reason is set).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class KVReceiver:
     def abort(self, reason: str = "aborted") -> None:
         """Stop the transfer; poll() turns Failed once the prefill can no longer write."""
         self._ctl.post(lambda: self._ctl.abort_receiver(self.room, reason))
+
+    @property
+    def doomed(self) -> bool:
+        """Failed for the request while the prefill may still write these pages
+        (quarantine, decode_control.py): end the request now, but free its pages only
+        once poll() is Failed."""
+        return self._status.doomed
 
     @property
     def failure_reason(self) -> str | None:

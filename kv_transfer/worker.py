@@ -32,6 +32,7 @@ from kv_transfer.runs import Entries
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _LEASE_POLL_S = 0.005
+_LEASE_LOST = "lease lost"  # _write's answer when the retry may not be written
 
 
 @dataclass
@@ -114,17 +115,25 @@ class TransferWorker:
         for batch in job.entries.batches(self._config.max_batch_entries):
             if job.status.state == KVPoll.Failed:
                 return JobResult(job, ok=False, skipped=True, reason=None, checksum=0)
+            # The lease is checked right before every write, retries included, on our
+            # clock: after a pause (SIGSTOP, partition) the decode may have reused these
+            # pages. Never write late.
             if job.lease is not None and not self._await_lease(job):
-                # Checked right before the write, on our clock: after a pause (SIGSTOP,
-                # partition) the decode may have reused these pages. Never write late.
-                failed = job.status.state == KVPoll.Failed
-                return JobResult(job, ok=False, skipped=failed, checksum=0, refused=True,
-                                 reason=None if failed else "write lease expired")
-            reason = self._write(job.session, batch, job.room)
+                return self._refusal(job)
+            reason = self._write(job, batch)
+            if reason is _LEASE_LOST:
+                return self._refusal(job)
             if reason is not None:
                 return JobResult(job, ok=False, skipped=False, reason=reason, checksum=0)
         crc = self._memory.crc(job.crc_regions) if job.crc_regions is not None else 0
         return JobResult(job, ok=True, skipped=False, reason=None, checksum=crc)
+
+    @staticmethod
+    def _refusal(job: TransferJob) -> JobResult:
+        """A write not made: its room failed or its lease ran out."""
+        failed = job.status.state == KVPoll.Failed
+        return JobResult(job, ok=False, skipped=failed, checksum=0, refused=True,
+                         reason=None if failed else "write lease expired")
 
     def _await_lease(self, job: TransferJob) -> bool:
         """Is the room's lease live? A lapsed one gets one lease period to be renewed (the
@@ -138,7 +147,8 @@ class TransferWorker:
             time.sleep(_LEASE_POLL_S)
         return True
 
-    def _write(self, session: str, batch: Entries, room: int) -> str | None:
+    def _write(self, job: TransferJob, batch: Entries) -> str | None:
+        session, room = job.session, job.room
         rc = self._counted_write(session, batch, room)
         if rc == 0:
             return None
@@ -146,7 +156,9 @@ class TransferWorker:
             return f"transfer failed: peer {session} unreachable (rc={rc})"
         log.warning("kv transfer: write to live peer %s failed (rc=%d); re-creating engine",
                     session, rc)
-        self.recreate()
+        self.recreate()  # can take long enough for the lease to run out: check it again
+        if job.lease is not None and not self._await_lease(job):
+            return _LEASE_LOST
         rc = self._counted_write(session, batch, room)
         return None if rc == 0 else f"transfer failed: write to {session} rc={rc} after " \
                                     "engine re-create"

@@ -43,9 +43,11 @@ class TransferBackend(ABC):
     def recreate(self) -> None:
         """Drop all engine state and start afresh with the same registered regions."""
 
-    def set_write_fence(self, fence: WriteFence) -> None:  # noqa: B027 - optional hook
-        """Receiving side: apply incoming writes through `fence`. Backends whose writes
-        are one-sided (Mooncake) cannot; their receivers rely on write leases alone."""
+    def set_write_fence(self, fence: WriteFence) -> bool:
+        """Receiving side: apply incoming writes through `fence`; True when done.
+        Backends whose writes are one-sided (Mooncake) cannot: their receivers rely on
+        write leases and quarantine (decode_control.py)."""
+        return False
 
     def forget_peer(self, session: str) -> None:  # noqa: B027 - optional hook
         """The peer was declared dead: abort waits on it where the backend can."""

@@ -50,8 +50,9 @@ class TcpBackend(TransferBackend):
     def register(self, regions: list[tuple[int, int]]) -> None:
         self._regions.add(regions)
 
-    def set_write_fence(self, fence: WriteFence) -> None:
+    def set_write_fence(self, fence: WriteFence) -> bool:
         self._server.fence = fence
+        return True
 
     def _client(self, session: str) -> zmq.Socket:
         sock = self._clients.get(session)

@@ -82,6 +82,12 @@ class PDConfig:
                        help="decode: a room failed without the prefill's confirmation keeps "
                             "its pages until lease + this margin after its last grant (0: a "
                             "quarter of the heartbeat deadline)")
+        t.add_argument("--kv-quarantine", action=argparse.BooleanOptionalAction, default=True,
+                       help="decode: a room that fails while its prefill may still be "
+                            "writing (the prefill went silent mid-transfer) keeps its pages "
+                            "out of use until that prefill confirms nothing is in flight or "
+                            "is gone; --no-kv-quarantine frees them after the lease margin, "
+                            "which a write batch under way during a pause can outlast")
         t.add_argument("--kv-checksum", action="store_true",
                        help="verify a CRC32 of every transferred page")
 
@@ -105,7 +111,8 @@ class PDConfig:
             transfer_timeout_s=args.kv_transfer_timeout_s,
             heartbeat_interval_s=args.kv_heartbeat_interval_s,
             heartbeat_misses=args.kv_heartbeat_misses, checksum=args.kv_checksum,
-            lease_s=args.kv_lease_s, lease_margin_s=args.kv_lease_margin_s)
+            lease_s=args.kv_lease_s, lease_margin_s=args.kv_lease_margin_s,
+            quarantine=args.kv_quarantine)
         return cls(registry_url=args.registry_url,
                    registry_token=token if token is not None else args.registry_token,
                    node_id=args.node_id, registry_ttl_s=args.registry_ttl_s,

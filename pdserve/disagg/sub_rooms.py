@@ -67,7 +67,7 @@ class SubRooms:
             return KVPoll.Success  # a prefill rank none of whose heads is needed
         states = [h.poll() for h in self.handles]
         for h, s in zip(self.handles, states, strict=True):
-            if s == KVPoll.Failed and self._why is None:
+            if (s == KVPoll.Failed or getattr(h, "doomed", False)) and self._why is None:
                 self._why, self._fault = h.failure_reason or "failed", bool(
                     getattr(h, "peer_fault", False))
                 self.abort(self._why)
@@ -76,6 +76,11 @@ class SubRooms:
         if not self.decode or all(s.terminal for s in states):
             return KVPoll.Failed
         return min(s for s in states if not s.terminal)  # a sub-receiver may still be written
+
+    @property
+    def doomed(self) -> bool:
+        """A decode share failed while a sub-receiver may still be written."""
+        return self.decode and self.poll() != KVPoll.Failed and self._why is not None
 
     @property
     def failure_reason(self) -> str | None:

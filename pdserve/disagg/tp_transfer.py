@@ -93,7 +93,8 @@ class _TPRoom:
     def _check(self, ranks) -> bool:
         """True when a rank failed; the first time, abort the room on every rank."""
         for r, (state, reason, fault) in enumerate(ranks):
-            if state == KVPoll.Failed:
+            # A reason before the end: a decode rank's share is doomed (quarantine).
+            if state == KVPoll.Failed or (reason is not None and not state.terminal):
                 if self._why is None:
                     self._why, self._fault = f"TP rank {r}: {reason or 'failed'}", fault
                     self.abort(self._why)
@@ -162,6 +163,12 @@ class TPReceiver(_TPRoom):
             return KVPoll.Failed
         # Failed somewhere, but a rank may still be written: not terminal yet.
         return min(s for s, _, _ in ranks if s != KVPoll.Failed and not s.terminal)
+
+    @property
+    def doomed(self) -> bool:
+        """Failed for the request while a rank's pages may still be written."""
+        ranks = self._ranks()
+        return self._check(ranks) and not all(s.terminal for s, _, _ in ranks)
 
     def metadata(self) -> list[bytes]:
         return self.local.metadata()

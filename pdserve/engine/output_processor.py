@@ -30,6 +30,7 @@ class OutputProcessor:
         self._pending: list[tuple[int, Req, bool]] = []  # (release after seq, req, cache_it)
         self.processed_seq = 0
         self.finished: list[Req] = []  # drained by the engine's caller
+        self._reported: set[int] = set()  # ids of held requests already reported early
         self.generated_tokens = 0
 
     def process(self, batch: Batch, handle: ResultHandle) -> None:
@@ -105,9 +106,19 @@ class OutputProcessor:
         if not self.role.hold_on_finish(req):
             self.complete(req, cache_it)
 
+    def report(self, req: Req) -> None:
+        """Report a finished `req` whose KV the role holds on (its client gets the result
+        now); `complete` later frees the KV without reporting it again."""
+        if id(req) not in self._reported:
+            self._reported.add(id(req))
+            self.finished.append(req)
+
     def complete(self, req: Req, cache_it: bool = True) -> None:
         """Report `req` as finished and free its KV once no launched batch touches it."""
-        self.finished.append(req)
+        if id(req) in self._reported:
+            self._reported.discard(id(req))
+        else:
+            self.finished.append(req)
         if req.slot is not None:
             self._pending.append((self.sched.seq, req, cache_it))
             self._release_ready()

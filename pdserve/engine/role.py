@@ -51,8 +51,12 @@ class RequestOutput(Protocol):
     def finish(self, req: Req, reason: str, cache_it: bool = True) -> None:
         """End `req` now (the role's `hold_on_finish` is asked whether it keeps the KV)."""
 
+    def report(self, req: Req) -> None:
+        """Report a finished `req` now while the role keeps holding its KV."""
+
     def complete(self, req: Req, cache_it: bool = True) -> None:
-        """Report a finished `req` whose KV the role held; its KV is freed when safe."""
+        """Report a finished `req` whose KV the role held (unless `report`ed already);
+        its KV is freed when safe."""
 
 
 @runtime_checkable

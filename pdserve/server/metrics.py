@@ -89,7 +89,7 @@ def _role_metrics(role: dict):
     for key in ("bytes_sent", "bytes_received", "rooms_started", "rooms_succeeded",
                 "rooms_failed", "engine_calls", "engine_failures", "engine_recreations",
                 "bad_messages", "checksum_failures", "late_writes_refused", "fenced_rooms",
-                "fenced_writes"):
+                "fenced_writes", "rooms_quarantined"):
         if key in t:
             yield CounterMetricFamily(f"pdserve_kv_transfer_{key}", f"KV transfer {key}",
                                       value=t[key])
@@ -97,6 +97,10 @@ def _role_metrics(role: dict):
         yield GaugeMetricFamily("pdserve_kv_transfer_live_rooms",
                                 "transfer rooms still tracked (0 when idle)",
                                 value=t["live_rooms"])
+    for key, what in (("quarantined_rooms", "failed rooms a silent prefill may still write"),
+                      ("quarantined_pages", "KV pages held out of use for those rooms")):
+        if key in t:
+            yield GaugeMetricFamily(f"pdserve_kv_transfer_{key}", what, value=t[key])
     lat = t.get("latency_s")
     if lat:
         # kv_transfer's bucket counts are already cumulative (le semantics).

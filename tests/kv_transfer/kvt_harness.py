@@ -229,6 +229,13 @@ def _handle(node: _Node, name: str, args: tuple[Any, ...]) -> Any:
         return mgr.transfer_session
     if name == "raw_write":
         return _raw_write(node, *args)
+    if name == "pause_in_write":
+        return _pause_in_write(node, args[0])
+    if name == "fill_pages":
+        return _fill_pages(node.pools["main"], args[0], args[1])
+    if name == "pages_filled":
+        return all(chunk == bytes([args[1]]) * len(chunk)
+                   for chunk in _page_bytes(node.pools["main"], args[0]))
     if name == "buffers":
         args_ = node.managers["main"].args
         return {"k": list(args_.k_ptrs), "v": list(args_.v_ptrs), "page_bytes": args_.page_bytes}
@@ -239,6 +246,41 @@ def _handle(node: _Node, name: str, args: tuple[Any, ...]) -> Any:
     if name == "close":
         return {n: m.close() for n, m in node.managers.items()}
     raise ValueError(f"unknown command {name}")
+
+
+def _pause_in_write(node: _Node, room: int) -> None:
+    """Fault injection: the next write batch of `room` writes its first half, then the
+    whole process stops itself (SIGSTOP: every thread, as a paused VM or container), and
+    after SIGCONT writes the second half: a pause that lands inside a batch, which no
+    lease check can stop."""
+    from kv_transfer.runs import Entries
+
+    backend = node.managers["main"].backend
+    real = backend.write
+
+    def write(session: str, entries: Any, room_: int | None = None) -> int:
+        if room_ != room or len(entries) < 2:
+            return real(session, entries, room_)
+        backend.write = real  # once
+        half = len(entries) // 2
+        parts = [Entries(entries.src[a:b], entries.dst[a:b], entries.lens[a:b])
+                 for a, b in ((0, half), (half, len(entries)))]
+        rc = real(session, parts[0], room_)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return rc or real(session, parts[1], room_)
+
+    backend.write = write
+
+
+def _fill_pages(pools: _Pools, pages: list[int], value: int) -> None:
+    """What reusing pages does: another request's KV lands there (here: one byte value)."""
+    import torch
+
+    ps = pools.page_size
+    for buf in pools.k + pools.v:
+        raw = buf.view(torch.uint8).reshape(buf.shape[0], -1)
+        for p in pages:
+            raw[p * ps:(p + 1) * ps].fill_(value)
 
 
 def _raw_batch(node: _Node, dst_ptr: int, entries: int, size: int, dst_span: int) -> Any:

@@ -165,3 +165,21 @@ def test_deadlines_and_unknown_room(pair: Pair) -> None:
     assert elapsed < 20, elapsed
     hist = pair.decode.call("history", [stalled["room"]])[stalled["room"]]
     assert hist[:2] == [1, WAITING] and hist[-1] == FAILED
+
+
+def test_abort_before_the_sender_exists_fails_the_sender_when_it_comes(pair: Pair) -> None:
+    """The decode may give a room up (a client abort, its quarantine of a silent prefill)
+    while the prefill's scheduler has not created the sender yet. The sender must fail
+    as soon as it comes, not wait out the bootstrap timeout with its sends queued."""
+    room = make_room(pair, random.Random(11), tokens=16)
+    pair.decode.call("receivers", [{"room": room["room"], "endpoint": pair.prefill.endpoint,
+                                    "dst": room["dst"], "slot": room["dslot"]}])
+    time.sleep(0.2)  # the decode's request reaches the prefill, which has no sender yet
+    pair.decode.call("abort", [room["room"]])
+    got = pair.decode.wait([room["room"]], timeout=10)
+    assert got[room["room"]][0] == FAILED, got
+    t0 = time.monotonic()
+    pair.prefill.call("senders", [{"room": room["room"], "pages": room["src"]}])
+    sent = pair.prefill.wait([room["room"]], timeout=10)
+    assert sent[room["room"]] == (FAILED, "aborted by decode: test abort"), sent
+    assert time.monotonic() - t0 < 5  # not FAST's 20 s bootstrap timeout

@@ -100,6 +100,40 @@ def test_worker_skips_a_room_that_fails_while_its_lease_is_out():
     assert res.refused and res.skipped and writes == []
 
 
+class PoisonedPathBackend(RecordingBackend):
+    """The first write fails on a live peer, so the worker re-creates the engine; the
+    re-create takes long enough for the room's lease to run out (`on_recreate`)."""
+
+    def __init__(self, on_recreate) -> None:
+        super().__init__()
+        self.on_recreate = on_recreate
+        self.recreated = 0
+
+    def write(self, session, entries, room=None) -> int:
+        super().write(session, entries, room)
+        return -1 if len(self.writes) == 1 else 0
+
+    def recreate(self) -> None:
+        self.recreated += 1
+        self.on_recreate()
+
+
+def test_worker_rechecks_the_lease_before_the_retry_after_an_engine_recreate():
+    lease = LeaseCell()
+    lease.extend(time.monotonic() + 60)
+    backend = PoisonedPathBackend(lambda: setattr(lease, "until", time.monotonic() - 1))
+    results: queue.Queue = queue.Queue()
+    worker = TransferWorker(backend, CFG, TransferStats(), results.put)
+    try:
+        worker.submit(TransferJob(7, RoomStatus(), "peer", Entries([1], [2], [3]), 0, 1, True,
+                                  None, lease))
+        res = results.get(timeout=BOUND_S)
+    finally:
+        worker.stop()
+    assert backend.recreated == 1
+    assert res.refused and not res.ok and backend.writes == [7]  # no retry written
+
+
 def test_tcp_receiver_refuses_writes_of_a_closed_room():
     refused = []
     fence = WriteFence(lambda: refused.append(1))

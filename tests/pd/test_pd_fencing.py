@@ -5,7 +5,9 @@ held are reused; then A is woken (SIGCONT) while more requests flow through B.
 
 Every request served after the failure is token-exact against the offline engine (a stale
 write of A into reused pages would corrupt one), A's late sends are refused and counted in
-its /metrics, and the decode's pools end full.
+its /metrics, and the decode's pools end full with nothing left in quarantine. The pause
+inside one write batch, which leases alone cannot fence, is forced deterministically in
+tests/kv_transfer/test_kvt_quarantine.py (with its negative control).
 """
 
 from __future__ import annotations
@@ -139,7 +141,13 @@ def test_paused_prefill_never_writes_into_reused_pages(tmp_path_factory, backend
             assert r.decode.status == 200, (r.decode.status, r.decode.body, r.decode.error)
             assert r.decode.body["output_ids"] == w, "a served request is not token-exact"
         stats = d.wait_pools_full(timeout=BOUND_S)
-        assert stats["role"]["transfer"]["rooms_failed"] - failed_before >= len(failed)
+        transfer = stats["role"]["transfer"]
+        assert transfer["rooms_failed"] - failed_before >= len(failed)
+        # Mooncake's one-sided writes: A's failed rooms waited in quarantine until A woke
+        # and confirmed (tcp: the receiver's fence refused A's writes itself).
+        assert transfer["quarantined_pages"] == transfer["quarantined_rooms"] == 0
+        if backend == "mooncake":
+            assert transfer["rooms_quarantined"] >= len(failed)
         b.wait_pools_full(timeout=BOUND_S)
         a.wait_pools_full(timeout=BOUND_S)  # A recovers: its own pools are back too
     finally:
