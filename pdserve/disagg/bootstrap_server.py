@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdserve.http.errors import error_response, install_error_handlers
+from pdserve.http.guard import HttpLimits, guarded_protocol
 from pdserve.ports import check_port_free, tcp_socket
 
 PUBLIC_FIELDS = ("node_id", "instance_id", "role", "http_url", "kv_endpoint",
@@ -76,11 +77,14 @@ class _QuietServer(uvicorn.Server):
 
 
 class BootstrapServer:
-    def __init__(self, sock: socket.socket, record: dict) -> None:
+    def __init__(self, sock: socket.socket, record: dict, limits: HttpLimits) -> None:
+        """`limits`: the node's header/body timeouts and connection cap, which this port
+        needs as much as the main one (it faces the same clients)."""
         self.sock = sock
         self.port: int = sock.getsockname()[1]
         self.server = _QuietServer(uvicorn.Config(
-            bootstrap_app(record), lifespan="off", log_level="warning", access_log=False))
+            bootstrap_app(record), lifespan="off", log_level="warning", access_log=False,
+            http=guarded_protocol(limits)))
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:

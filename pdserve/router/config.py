@@ -71,6 +71,9 @@ class RouterConfig:
                                        "seconds of its headers; beyond: 408 and closed")
     max_connections: int = _opt(4096, "open client connections; beyond: 503 and closed")
     max_n: int = _opt(16, "largest `n` (choices per OpenAI request); beyond: 400")
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM: let open requests and streams finish "
+                                        "for up to this long, then cancel the rest (the "
+                                        "chart's grace period follows it)")
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -92,9 +95,9 @@ class RouterConfig:
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
         if min(self.max_queued_requests, self.prefix_pages, self.migration_limit,
-               self.stream_stall_timeout_s) < 0:
-            raise ValueError("--max-queued-requests, --prefix-pages, --migration-limit and "
-                             "--stream-stall-timeout-s must be >= 0")
+               self.stream_stall_timeout_s, self.drain_timeout_s) < 0:
+            raise ValueError("--max-queued-requests, --prefix-pages, --migration-limit, "
+                             "--stream-stall-timeout-s and --drain-timeout-s must be >= 0")
         if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
             raise ValueError("--breaker-max-cooldown-s must be >= --breaker-cooldown-s")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:

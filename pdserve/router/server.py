@@ -1,6 +1,6 @@
 """`pdserve router`: load the tokenizer (when the model is known), read the registry once,
 then serve HTTP until SIGTERM/Ctrl-C. Shutdown lets open streams finish for up to
-`GRACEFUL_S`, then cancels the rest (which cancels their legs on the nodes)."""
+`--drain-timeout-s`, then cancels the rest (which cancels their legs on the nodes)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from pdserve.router.gateway import Gateway
 from pdserve.router.tokenizer import RouterTokenizer
 
 log = logging.getLogger("pdserve.router")
-GRACEFUL_S = 10
 
 
 def _exit_cleanly(_signum, _frame) -> None:
@@ -57,7 +56,7 @@ async def _serve_async(cfg: RouterConfig, tokenizer: RouterTokenizer | None) -> 
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        timeout_graceful_shutdown=GRACEFUL_S, access_log=cfg.log_level == "debug",
+        timeout_graceful_shutdown=cfg.drain_timeout_s, access_log=cfg.log_level == "debug",
         http=guarded_protocol(cfg.http_limits)))
     await server.serve()
     return 0

@@ -43,14 +43,15 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
     model = front.cfg.model_name
 
     # /livez: restart me only when the scheduler process is gone. /readyz: send me work
-    # (not while draining). /health: as /livez, kept for older probes and scripts.
-    @app.get("/health")
+    # (not while draining). /health: as /readyz, because SGLang's router polls /health to
+    # decide where to send work and would keep sending to a draining node otherwise.
     @app.get("/livez")
     async def livez():
         if not front.client.alive:
             return error_response(503, "the scheduler process is not running")
         return {"status": "ok"}
 
+    @app.get("/health")
     @app.get("/readyz")
     async def readyz():
         if not front.client.alive:

@@ -25,6 +25,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # ... and its body within this after the headers
     max_connections: int = 4096  # open HTTP connections; beyond it new ones get 503
     max_n: int = 16  # largest `n` (choices of one OpenAI request); beyond it 400
+    # A scheduler loop iteration stuck this long dumps the stacks and exits (0: off).
+    watchdog_timeout_s: float = 300.0
     log_level: str = "info"
     role: str = "colocated"  # colocated | prefill | decode
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
@@ -63,6 +65,10 @@ class ServerConfig:
                        help="open HTTP connections; beyond it new ones get 503 and close")
         g.add_argument("--max-n", type=int, default=16,
                        help="largest `n` (choices per OpenAI request); beyond it HTTP 400")
+        g.add_argument("--watchdog-timeout-s", type=float, default=300.0,
+                       help="a scheduler loop iteration with no progress for this long (a "
+                            "hung forward or device) dumps every thread's stack and exits, "
+                            "so /livez fails and the node is restarted (0: off)")
         g.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
         EngineConfig.add_cli_args(p)
@@ -76,6 +82,8 @@ class ServerConfig:
         HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections)
         if args.max_n < 1:
             raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+        if args.watchdog_timeout_s < 0:
+            raise ValueError(f"--watchdog-timeout-s must be >= 0, got {args.watchdog_timeout_s}")
         return cls(
             engine=EngineConfig.from_cli(args), host=args.host, port=args.port,
             served_model_name=args.served_model_name,
@@ -84,6 +92,6 @@ class ServerConfig:
             truncate_max_tokens=args.truncate_max_tokens,
             header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
             max_connections=args.max_connections, max_n=args.max_n,
-            log_level=args.log_level, role=role,
+            watchdog_timeout_s=args.watchdog_timeout_s, log_level=args.log_level, role=role,
             pd=PDConfig.from_cli(args) if role != "colocated" else None,
         )

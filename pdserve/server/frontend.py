@@ -51,6 +51,16 @@ class Frontend:
         nodes need no bootstrap address: a prefill is itself the one it names."""
         if self.leg_resolver is not None and self.cfg.role == "decode":
             return await self.leg_resolver.resolve(extra)
+        if self.cfg.role == "prefill" and self.bootstrap_port is None and (
+                "bootstrap_host" in extra or "bootstrap_port" in extra):
+            # SGLang's router: its decode worker would look for our bootstrap endpoint,
+            # find none, and this leg would wait out the whole bootstrap timeout.
+            raise ApiError(400, "this prefill node serves no SGLang bootstrap endpoint, so "
+                                "the decode worker named with bootstrap_host/bootstrap_port "
+                                "cannot find it: start the node with "
+                                "--disaggregation-bootstrap-port PORT (the port given to "
+                                "SGLang's router with --prefill URL PORT)",
+                           "bootstrap_unavailable")
         return {k: v for k, v in extra.items() if k not in ("bootstrap_host", "bootstrap_port")}
 
     @property

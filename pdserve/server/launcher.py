@@ -148,7 +148,7 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
         if sock is not None:
             from pdserve.disagg.bootstrap_server import BootstrapServer
 
-            bootstrap = BootstrapServer(sock, record)
+            bootstrap = BootstrapServer(sock, record, cfg.http_limits)
             bootstrap.start()
             front.bootstrap_port = bootstrap.port
             log.info("SGLang bootstrap endpoint on %s:%d", cfg.host, bootstrap.port)

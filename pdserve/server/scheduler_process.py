@@ -19,6 +19,7 @@ from pdserve.engine.engine import Engine
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import messages as m
 from pdserve.server.config import ServerConfig
+from pdserve.server.watchdog import Watchdog
 
 log = logging.getLogger("pdserve.scheduler")
 STATS_PERIOD_S = 0.25
@@ -42,7 +43,17 @@ class SchedulerService:
 
     def serve_forever(self, parent_pid: int) -> None:
         self.send.send(m.encode(self.ready_message()))
+        dog = Watchdog(self.cfg.watchdog_timeout_s) if self.cfg.watchdog_timeout_s else None
+        try:
+            self._loop(parent_pid, dog)
+        finally:
+            if dog is not None:
+                dog.stop()
+
+    def _loop(self, parent_pid: int, dog: Watchdog | None) -> None:
         while not self.stopping:
+            if dog is not None:
+                dog.beat()
             # Runnable work: do not wait. Only transfers pending: poll them every 2 ms.
             timeout = 0 if self.engine.has_runnable() else 2 if self.engine.has_work() else 100
             self._receive(timeout_ms=timeout)

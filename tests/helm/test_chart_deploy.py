@@ -23,7 +23,8 @@ def _sha(text: str) -> str:
 
 def test_drain_flags_prestop_and_grace_period_follow_values(render):
     docs = render(None, {"pd.drainTimeoutS": "90", "pd.drainGraceS": "4",
-                         "pd.preStopSleepS": "6", "router.preStopSleepS": "7"})
+                         "pd.preStopSleepS": "6", "router.preStopSleepS": "7",
+                         "router.drainTimeoutS": "45"})
     for role in PD:
         w = tier(docs, role)
         c, argv = main_container(w), pdserve_argv(main_container(w))
@@ -33,7 +34,8 @@ def test_drain_flags_prestop_and_grace_period_follow_values(render):
         assert pod_spec(w)["terminationGracePeriodSeconds"] >= 6 + 90 + 4
     router = tier(docs, "router")
     assert main_container(router)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "7"]
-    assert pod_spec(router)["terminationGracePeriodSeconds"] > 7 + 10  # + open streams' 10 s
+    assert flag(pdserve_argv(main_container(router)), "--drain-timeout-s") == "45"
+    assert pod_spec(router)["terminationGracePeriodSeconds"] > 7 + 45  # + open streams' drain
     no_sleep = render(None, {"pd.preStopSleepS": "0"})
     assert "lifecycle" not in main_container(tier(no_sleep, "decode"))
 

@@ -310,3 +310,40 @@ def _succeeded(r) -> bool:
     if r.body is not None:
         return "output_ids" in r.body
     return bool(r.chunks) and r.chunks[-1] == "[DONE]" and not r.stream_error
+
+
+def test_prefill_without_a_bootstrap_endpoint_refuses_sglang_legs_at_once(cluster):
+    """SGLang's router sends the prefill leg with bootstrap_host/port. A prefill node started
+    without --disaggregation-bootstrap-port cannot be found by the decode worker, so holding
+    the leg would only wait out the bootstrap timeout: it is a 400 naming the flag."""
+    node = Node("prefill", "tcp", cluster.registry, cluster.log_dir, MODEL,
+                [f for f in PREFILL_FLAGS if f not in ("--disaggregation-bootstrap-port", "0")])
+    node.spawn()
+    try:
+        node.wait_ready()
+        body = {"input_ids": random_prompt(20, seed=7300), "sampling_params": GREEDY,
+                "bootstrap_room": 77, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1234}
+        t0 = time.monotonic()
+        r = httpx.post(f"{node.url}/generate", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "--disaggregation-bootstrap-port" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 10  # at once, not after the bootstrap timeout
+        node.wait_pools_full()
+    finally:
+        node.stop()
+
+
+def test_bootstrap_endpoint_times_out_partial_headers(cluster):
+    """The bootstrap port has the node's header timeout (default 10 s) like its main port:
+    a client that never finishes its headers gets 408 and the connection closes."""
+    import socket
+
+    bport = cluster.prefills[0].info()["disaggregation_bootstrap_port"]
+    with socket.create_connection(("127.0.0.1", bport), timeout=30) as s:
+        s.sendall(b"GET /bootstrap HTTP/1.1\r\nHost: x\r\n")  # no end of headers
+        t0 = time.monotonic()
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert time.monotonic() - t0 < 25

@@ -1,7 +1,8 @@
 """Graceful drain under load through the router (docs/architecture.md: Node server): a decode
 node that gets SIGTERM mid-stream leaves the registry at once, refuses new requests with 503
 "draining" (the router retries them elsewhere and picks it no more), finishes every stream
-it has, and exits 0. Also the split probes: /livez stays 200 while /readyz turns 503."""
+it has, and exits 0. Also the split probes: /livez stays 200 while /readyz (and /health)
+turn 503."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_sigterm_decode_node_mid_stream_drains(stack, router: str, launch_nodes)
             probes = {}
             while time.monotonic() < wait:  # draining: not ready, but alive
                 probes = {p: await asyncio.to_thread(_status, f"{node.url}/{p}")
-                          for p in ("readyz", "livez")}
+                          for p in ("readyz", "livez", "health")}
                 if probes["readyz"] == 503:
                     break
                 await asyncio.sleep(0.05)
@@ -61,7 +62,8 @@ def test_sigterm_decode_node_mid_stream_drains(stack, router: str, launch_nodes)
 
     before = legs_metric(router, NODE)
     probes, results, later = asyncio.run(run())
-    assert probes == {"readyz": 503, "livez": 200}, probes
+    # /health follows /readyz: SGLang's router polls it to choose where to send work.
+    assert probes == {"readyz": 503, "livez": 200, "health": 503}, probes
     on_node = [r for r in results if r["decode"] == NODE]
     assert on_node, results  # the router spread the streams over the three decode nodes
     for r in results:  # no stream failed, the drained node's ones included
