@@ -2,9 +2,10 @@
 wait for the decode leg's first event. A pair whose node could not be reached or refused
 before doing anything is abandoned (both legs cancelled) and the next pair tried, up to
 `--dispatch-attempts`, leaving out the nodes that failed; so is a pair whose prefill node
-failed (itself, or as the decode node reports: KV lost) before any output. Any other
-failure is final: the decode may have run, and running it twice is worse than a clear
-error.
+failed (itself, or as the decode node reports: KV lost), or whose decode node failed
+(died, stalled, its scheduler gone), before the first token: nothing reached the client
+yet. Any other failure (the client's, or a decode node's answer about the request) is
+final. Once the first token is out, a dead decode node is the flow's to migrate.
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ class Dispatcher:
                 return Opened(legs, await legs.next())
             except LegError as err:
                 legs.cancel()
-                # Nothing reached the client yet, so a prefill node's own failure can be
-                # retried on another prefill node (at worst a prompt is computed twice).
-                if not (err.retryable or (err.node is prefill and err.node_fault)):
+                # Nothing reached the client yet, so a node's own failure (a prefill node
+                # that failed, a decode node that died or stalled before its first token)
+                # can be retried on another pair: at worst a prompt is computed twice. A
+                # sampled request draws afresh there, which no client can tell apart.
+                if not (err.retryable or (err.node_fault and (err.node is prefill or
+                                                            err.node is decode))):
                     raise err.api_error() from None
                 log.warning("attempt %d of %s: %s; trying another pair", attempt + 1, rid,
                             err.message)

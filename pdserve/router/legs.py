@@ -51,6 +51,8 @@ PREFILL_FAULT_CODES = {"prefill_node_unavailable", "prefill_failed"}
 # A node that got SIGTERM refuses new requests with this code (pdserve/server/drain.py).
 DRAINING = "draining"
 STALLED = "decode_stalled"
+# A node whose scheduler died fails its open requests with this code (engine_client.py).
+NODE_FAILED = "node_failed"
 
 log = logging.getLogger("pdserve.router")
 LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
@@ -147,6 +149,9 @@ def inband_error(node: NodeState, err: object, prefill: NodeState | None = None)
     code = err.get("code") if isinstance(err, dict) else None
     if prefill is not None and code in PREFILL_FAULT_CODES:
         return prefill_fault(node, prefill, str(msg), code)
+    if code == NODE_FAILED:
+        return LegError(node, "decode", 503, f"decode node {node.node_id} failed: {msg}", code,
+                        node_fault=True)
     status = code if isinstance(code, int) and 400 <= code < 600 else 500
     return LegError(node, "decode", status, f"decode node {node.node_id}: {msg}", code)
 

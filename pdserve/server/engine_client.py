@@ -18,6 +18,7 @@ import zmq.asyncio
 from pdserve.http.errors import ApiError
 from pdserve.server import messages as m
 
+NODE_FAILED = "node_failed"  # error code of requests failed by the node's own death
 log = logging.getLogger("pdserve.server")
 
 
@@ -147,5 +148,7 @@ class EngineClient:
     def _fail_all(self, message: str) -> None:
         for handle in list(self.handles.values()):
             if not handle.accepted.done():
-                handle.accepted.set_exception(ApiError(503, message))
-            handle.updates.put_nowait(m.TokenUpdate(handle.rid, [], "error", error=message))
+                handle.accepted.set_exception(ApiError(503, message, NODE_FAILED))
+            # The code tells a router the node failed, not the request: retry it elsewhere.
+            handle.updates.put_nowait(m.TokenUpdate(handle.rid, [], "error", error=message,
+                                                    error_code=NODE_FAILED))

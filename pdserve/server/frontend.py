@@ -126,7 +126,7 @@ class Frontend:
                     return
                 if u.error:
                     # A prefill node's failure is not this node's: 503 with its code.
-                    status = 503 if u.error_code == "prefill_failed" or \
+                    status = 503 if u.error_code in ("prefill_failed", "node_failed") or \
                         u.finish_reason != "error" else 500
                     raise ApiError(status, u.error, u.error_code)
                 now = time.perf_counter()

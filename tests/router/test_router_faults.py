@@ -3,7 +3,8 @@ registry by the node launcher: a node that joins is used without a restart; kill
 decode node migrates its streams to another pair, token-exact (and ends them with an
 error through a router with `--migration-limit 0`), and new requests go elsewhere; kill -9 of a
 prefill node mid-request is retried on the live prefill node before any output (no client
-sees it) and the decode nodes free everything; a client that goes away cancels both legs."""
+sees it) and the decode nodes free everything; so is a decode node killed before its first
+token; a client that goes away cancels both legs."""
 
 from __future__ import annotations
 
@@ -244,6 +245,43 @@ def test_kill9_prefill_node_mid_request(stack, router: str, late):
     responses = _short_requests(router, 6)
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert legs_metric(router, node.node_id) == before
+
+
+def test_kill9_decode_node_before_first_token_is_retried(stack, router: str, late, offline):
+    """Requests waiting for their first token on a decode node that is killed: nothing
+    reached their clients, so each is retried on another pair (counted in the retries)
+    and every client gets the exact greedy answer; none sees the kill."""
+    node = late["decode"]
+    rng = random.Random(1)
+    n, prompt_len = 18, 1200
+    prompts = [[rng.randrange(300, 40000) for _ in range(prompt_len)] for _ in range(n)]
+    started: list[dict] = []
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(_stream(client, router, _body(p, 8), started))
+                     for p in prompts]
+            # Killed while it holds legs and has streamed nothing yet: the prefill nodes
+            # are busy with the long prompts, so its legs wait for their KV.
+            while router_nodes(router)[node.node_id]["inflight"] < 2 or started:
+                if started:  # too late to prove anything: a first token is out
+                    break
+                await asyncio.sleep(0.01)
+            early = not started
+            node.kill9()
+            return early, await asyncio.gather(*tasks)
+
+    retries_before = _retries(router)
+    early, results = asyncio.run(run())
+    assert early, "a first token was out before the decode node held two legs"
+    refs = offline.greedy(prompts, 8, ignore_eos=True)
+    for r, ref in zip(results, refs, strict=True):
+        assert r["status"] == 200 and r["error"] is None, r
+        assert r["out"] == ref.output_ids and r["decode"] != node.node_id, r["decode"]
+    assert _retries(router) > retries_before, "no request was retried"
+    for url in (stack.urls["prefill-0"], late["prefill"].url, stack.urls["decode-0"],
+                stack.urls["decode-1"]):
+        wait_pools_full(url)
 
 
 def _retries(router: str) -> float:
