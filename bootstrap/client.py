@@ -56,6 +56,9 @@ class RegistryClient:
         )
         self.cache_ttl_s, self.stale_ok_s = cache_ttl_s, stale_ok_s
         self.epoch = ""  # the registry store's epoch of the last answer (app.EPOCH_HEADER)
+        # Outage bookkeeping for /metrics (plain values, read from any thread):
+        self.unreachable_since: float | None = None  # time.monotonic() of the first failure
+        self.stale_answers = 0  # lookups answered from the cache while unreachable
         self._cache: dict[tuple[str, str | None], tuple[float, Any]] = {}
         self._cache_lock = threading.Lock()
         self._heartbeat: Heartbeat | None = None
@@ -117,6 +120,7 @@ class RegistryClient:
                 log.debug(
                     "registry unreachable; serving %s from a %.1fs old cache", key, now - entry[0]
                 )
+                self.stale_answers += 1
                 return entry[1]
             raise
         with self._cache_lock:
@@ -203,7 +207,12 @@ class RegistryClient:
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
+            self._unreachable()
             raise RegistryUnavailable(f"{method} {path}: {exc!r}") from exc
+        if resp.status_code >= 500:
+            self._unreachable()
+        else:
+            self.unreachable_since = None
         self.epoch = resp.headers.get("x-registry-epoch") or self.epoch
         if resp.is_success or resp.status_code in ok:
             return resp
@@ -216,6 +225,16 @@ class RegistryClient:
         if resp.status_code == 409 and code == "instance_superseded":
             raise NodeSuperseded(text, resp.status_code, code)
         raise RegistryRejected(text, resp.status_code, code)
+
+
+    def _unreachable(self) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+
+    def outage_s(self) -> float:
+        """How long the registry has been unreachable (0: it answers)."""
+        since = self.unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
 
 
 def _error_of(resp: httpx.Response) -> tuple[str, str | None]:

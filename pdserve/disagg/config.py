@@ -21,6 +21,9 @@ class PDConfig:
     registry_ttl_s: float = 10.0
     # How long a starting node keeps trying an unreachable registry before it gives up.
     registry_wait_s: float = 60.0
+    # Decode: while the registry is unreachable, prefill records read within this long
+    # still serve (stale-while-error); past it, legs naming a prefill get 503.
+    registry_stale_s: float = 300.0
     disable_early_send: bool = False  # prefill: do not send cached prefix pages early
     # prefill: serve SGLang's bootstrap endpoint on this port (None: off; 0: a free port)
     bootstrap_port: int | None = None
@@ -56,6 +59,10 @@ class PDConfig:
         g.add_argument("--registry-wait-s", type=float, default=60.0,
                        help="at start, give up (exit 1) when the registry stays unreachable "
                             "this long; a refused record or token exits at once")
+        g.add_argument("--registry-stale-s", type=float, default=300.0,
+                       help="decode: while the registry is unreachable, keep using prefill "
+                            "records read up to this long ago (then such legs get 503 "
+                            "registry_unavailable, which a router retries elsewhere)")
         g.add_argument("--disable-early-send", action="store_true",
                        help="prefill: do not send cached prefix pages before the forward")
         g.add_argument("--disaggregation-bootstrap-port", dest="bootstrap_port", type=int,
@@ -95,6 +102,8 @@ class PDConfig:
     def from_cli(cls, args: argparse.Namespace) -> PDConfig:
         if args.registry_ttl_s <= 0 or args.registry_wait_s <= 0:
             raise ValueError("--registry-ttl-s and --registry-wait-s must be positive")
+        if args.registry_stale_s < 0:
+            raise ValueError("--registry-stale-s must be >= 0")
         port = getattr(args, "bootstrap_port", None)
         if port is not None and not 0 <= port < 65536:
             raise ValueError(f"--disaggregation-bootstrap-port must be in 0..65535, got {port}")
@@ -117,6 +126,7 @@ class PDConfig:
                    registry_token=token if token is not None else args.registry_token,
                    node_id=args.node_id, registry_ttl_s=args.registry_ttl_s,
                    registry_wait_s=args.registry_wait_s,
+                   registry_stale_s=args.registry_stale_s,
                    disable_early_send=args.disable_early_send, bootstrap_port=port,
                    advertise_host=args.advertise_host, drain_timeout_s=args.drain_timeout_s,
                    drain_grace_s=args.drain_grace_s, transfer=transfer)

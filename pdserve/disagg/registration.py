@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from bootstrap.client import RegistryClient
-from bootstrap.client_errors import RegistryError
+from bootstrap.client_errors import RegistryError, RegistryUnavailable
 from bootstrap.pairing import pairing_problem
 from bootstrap.record import RegisteredNode, new_instance_id
 from pdserve.http.errors import ApiError
@@ -40,7 +40,8 @@ def register_node(cfg, ready, get_stats, extra: dict | None = None
     """Register and start the heartbeat; raise RegistrationFailed when the registry refuses
     us (wrong token, bad record) or stays unreachable for `--registry-wait-s`. `extra`
     adds record fields (a prefill's `bootstrap_port`)."""
-    client = RegistryClient(cfg.pd.registry_url, token=cfg.pd.registry_token or None)
+    client = RegistryClient(cfg.pd.registry_url, token=cfg.pd.registry_token or None,
+                            stale_ok_s=cfg.pd.registry_stale_s)
     try:
         record = _register(client, cfg, ready, get_stats, extra or {})
     except BaseException:
@@ -115,7 +116,15 @@ class PrefillPeerResolver:
         return out
 
     async def _from_registry(self, node_id: str) -> dict:
-        node = await asyncio.to_thread(self.client.get_node, node_id)
+        try:
+            node = await asyncio.to_thread(self.client.get_node, node_id)
+        except RegistryUnavailable as exc:
+            # Not this node's fault, nor the request's: a router tries another pair (whose
+            # decode may still have the record cached) and charges no breaker.
+            raise ApiError(503, f"cannot look up prefill node {node_id!r}: the registry has "
+                                f"been unreachable for {self.client.outage_s():.0f}s and "
+                                "its record is not cached within --registry-stale-s "
+                                f"({exc})", "registry_unavailable") from None
         node = self._remember(node_id, node)
         if node is None or node.role != "prefill":
             raise ApiError(503, f"no live prefill node {node_id!r} in the registry",

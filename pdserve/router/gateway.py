@@ -32,7 +32,7 @@ class Gateway:
         self.admission = Admission(cfg.max_running_requests, cfg.max_queued_requests,
                                    cfg.queue_timeout_s)
         self.metrics = RouterMetrics()
-        self.metrics.watch(lambda: self.table, self.admission)
+        self.metrics.watch(lambda: self.table, self.admission, self.watcher.outage_s)
         # read=None: a decode leg streams for as long as generation lasts; the request
         # timeout bounds it instead. No proxy from the environment between router and nodes.
         self.http = httpx.AsyncClient(

@@ -53,6 +53,8 @@ DRAINING = "draining"
 STALLED = "decode_stalled"
 # A node whose scheduler died fails its open requests with this code (engine_client.py).
 NODE_FAILED = "node_failed"
+# A decode node that cannot look the prefill up while the registry is down (registration.py).
+REGISTRY_DOWN = "registry_unavailable"
 
 log = logging.getLogger("pdserve.router")
 LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
@@ -107,6 +109,8 @@ def status_error(node: NodeState, leg: str, resp: httpx.Response,
     if code == DRAINING:  # shutting down on purpose: not a fault; pick it no more
         node.draining = True
         return LegError(node, leg, 503, f"{where} is draining", code, retryable=True)
+    if code == REGISTRY_DOWN:  # neither node's fault: another pair may have the record
+        return LegError(node, leg, 503, f"{where}: {message}", code, retryable=True)
     if status in REFUSED_STATUSES:
         return LegError(node, leg, 503 if status == 503 else 429,
                         f"{where} refused the request ({status}: {message})", code,

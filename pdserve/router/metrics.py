@@ -18,10 +18,18 @@ BREAKER_STATES = ("closed", "half_open", "open")
 
 
 class _LiveCollector:
-    def __init__(self, table: Callable[[], NodeTable], admission: Admission) -> None:
-        self.table, self.admission = table, admission
+    def __init__(self, table: Callable[[], NodeTable], admission: Admission,
+                 outage_s: Callable[[], float]) -> None:
+        self.table, self.admission, self.outage_s = table, admission, outage_s
 
     def collect(self):
+        outage = self.outage_s()
+        yield GaugeMetricFamily("pdserve_router_registry_up",
+                                "1 while the registry answers; 0 during an outage (the last "
+                                "node table serves meanwhile)", value=0 if outage else 1)
+        yield GaugeMetricFamily("pdserve_router_registry_outage_seconds",
+                                "how long the registry has been unreachable (0: it answers)",
+                                value=outage)
         yield GaugeMetricFamily("pdserve_router_requests_running",
                                 "requests holding a dispatch slot", value=self.admission.running)
         yield GaugeMetricFamily("pdserve_router_requests_waiting",
@@ -73,8 +81,9 @@ class RouterMetrics:
         self.retries = Counter("pdserve_router_retries",
                                "dispatch attempts abandoned for another node pair", registry=r)
 
-    def watch(self, table: Callable[[], NodeTable], admission: Admission) -> None:
-        self.registry.register(_LiveCollector(table, admission))
+    def watch(self, table: Callable[[], NodeTable], admission: Admission,
+              outage_s: Callable[[], float] = lambda: 0.0) -> None:
+        self.registry.register(_LiveCollector(table, admission, outage_s))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

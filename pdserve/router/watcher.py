@@ -33,6 +33,10 @@ class RegistryWatcher:
         self.last_read = 0.0  # time.monotonic() of the last successful read
         self._lock = asyncio.Lock()
 
+    def outage_s(self) -> float:
+        """How long the registry has been unreachable (0: its last read worked)."""
+        return self.client.outage_s() if self.last_error else 0.0
+
     @property
     def connected(self) -> bool:
         return self.last_read > 0 and not self.last_error

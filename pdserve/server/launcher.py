@@ -92,6 +92,7 @@ def _register(cfg, client, front, extra: dict):
     from pdserve.disagg.registration import PrefillPeerResolver, register_node
 
     registry, record = register_node(cfg, client.ready, lambda: client.stats, extra)
+    front.metrics.watch_registry(registry)
     if cfg.role == "decode":
         front.leg_resolver = PrefillPeerResolver(registry, record)
     log.info("registered as %s (%s) at %s", record["node_id"], cfg.role, cfg.pd.registry_url)

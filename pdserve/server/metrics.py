@@ -130,5 +130,26 @@ class Metrics:
                                 registry=r)
         r.register(_SchedulerCollector(get_stats))
 
+    def watch_registry(self, client) -> None:
+        """PD nodes: the registry client's outage state (bootstrap/client.py)."""
+        self.registry.register(_RegistryCollector(client))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RegistryCollector:
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def collect(self):
+        outage = self.client.outage_s()
+        yield GaugeMetricFamily("pdserve_registry_up", "1 while the registry answers this "
+                                "node (heartbeats, lookups); 0 during an outage",
+                                value=0 if outage else 1)
+        yield GaugeMetricFamily("pdserve_registry_outage_seconds",
+                                "how long the registry has been unreachable (0: it answers)",
+                                value=outage)
+        yield CounterMetricFamily("pdserve_registry_stale_answers",
+                                  "prefill lookups answered from the cache during an outage "
+                                  "(--registry-stale-s)", value=self.client.stale_answers)

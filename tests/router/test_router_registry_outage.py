@@ -176,3 +176,64 @@ def test_registry_outage_under_load(store: str, tmp_path: Path):
         registry.kill9()
         if redis is not None:
             redis.kill9()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
+def test_outage_is_served_stale_then_bounded_and_reported(tmp_path: Path):
+    """During an outage the decode node answers prefill lookups from its cache (up to
+    --registry-stale-s, 300 s by default; 6 s here) and router and nodes report the outage
+    in /metrics. Past the bound a leg naming a prefill node is a 503 `registry_unavailable`
+    (never a 500 charged to the decode node): the router tries other pairs and then says
+    why. The registry back, everything serves again."""
+    stale_s = 6.0
+    registry = RegistryProc(tmp_path, "memory").start()
+    prefill = Node("prefill", "prefill-stale", registry.url, tmp_path, "--registry-ttl-s", TTL)
+    decode = Node("decode", "decode-stale", registry.url, tmp_path, "--registry-ttl-s", TTL,
+                  "--registry-stale-s", str(stale_s))
+    router = RouterProc(registry.url, tmp_path, "--model", MODEL, "--registry-poll-s", "0.5")
+    body = {"model": MODEL, "prompt": "stale", "max_tokens": 4, "temperature": 0}
+    try:
+        for n in (prefill, decode):
+            n.spawn()
+        router.spawn()
+        for n in (prefill, decode):
+            n.wait_ready()
+        url = router.wait_ready()
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert _metric(url, "pdserve_router_registry_up") == 1
+        registry.kill9()
+        down_at = time.monotonic()
+        time.sleep(1.5)  # past the lookup cache's 1 s: the next lookup asks the registry
+        wait_until(lambda: _metric(url, "pdserve_router_registry_up") == 0, 10,
+                   "the router to report the outage")
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text  # from the decode node's cached record
+        assert time.monotonic() - down_at < stale_s
+        wait_until(lambda: _metric(decode.url, "pdserve_registry_up") == 0, 10,
+                   "the decode node to report the outage")
+        assert _metric(decode.url, "pdserve_registry_stale_answers_total") >= 1
+        assert _metric(url, "pdserve_router_registry_outage_seconds") > 0
+        time.sleep(max(0.0, down_at + stale_s + 1.5 - time.monotonic()))
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        assert "registry" in r.json()["error"]["message"], r.text
+        registry.start()
+        wait_until(lambda: registry.nodes() >= {prefill.node_id, decode.node_id}, 60,
+                   "both nodes re-registered")
+        wait_until(lambda: httpx.post(f"{url}/v1/completions", json=body,
+                                      timeout=60).status_code == 200, 30,
+                   "requests to succeed again (no breaker left open)")
+        assert _metric(url, "pdserve_router_registry_up") == 1
+        for n in (prefill, decode):
+            wait_pools_full(n.url)
+    finally:
+        router.terminate()
+        for n in (prefill, decode):
+            n.stop()
+        registry.kill9()
