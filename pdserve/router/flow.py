@@ -142,9 +142,6 @@ class Flow:
         last, m = self.last, self.migration
         if last is not None and last.finish_reason is not None:
             return DONE  # everything reached the client; only the [DONE] was lost
-        if self.extra:  # logprob requests are not migrated (their entries would not line up)
-            self.outcome = str(err.code or err.status)
-            return err
         if not (is_decode_death(exc, dead) and last is not None and m.tokenizer is not None):
             self.outcome = str(err.code or err.status)
             return err
@@ -157,15 +154,20 @@ class Flow:
         self.opened.legs.cancel()
         self.dead_decodes.add(dead)  # never back to one it left (a stalled node may wake)
         ids, sampling = continuation(self.ids, self.sampling, last)
+        # Logprobs: the new pair computes the continuation's output entries; the prompt's
+        # entries the client has are kept (the continuation's "prompt" is not the client's).
+        extra = {**self.extra, "logprob_start_len": -1} if self.extra else None
         try:
             self.opened = await self._bounded(self.dispatcher.open(
-                ids, sampling, f"{self.rid}-m{self.migrations}", exclude=self.dead_decodes))
+                ids, sampling, f"{self.rid}-m{self.migrations}", exclude=self.dead_decodes,
+                extra=extra))
         except ApiError as again:
             self.metrics.migrations.labels("failed").inc()
             self.outcome = str(again.code or again.status)
             return ApiError(again.status, f"{err.message}; migrating the request failed: "
                                           f"{again.message}", again.code)
         self.metrics.migrations.labels("ok").inc()
+        self._prefill_meta = None  # the new prefill node's answer (first-token entry)
         stop = self.sampling.get("stop") or []
         self.stitcher = Stitcher(last, m.tokenizer, [stop] if isinstance(stop, str) else stop)
         return self.opened.first

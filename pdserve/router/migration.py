@@ -9,6 +9,11 @@ re-derived by the router from *all* output ids (its own incremental detokenizer,
 with what the client has already seen), so a multi-byte character or a stop string
 that straddles the migration point comes out exactly as one node would have written it.
 
+Logprobs: the output entries of the tokens already sent are kept and the continuation's
+follow them (the new pair computes them for its own tokens; greedy entries equal an unbroken
+run's up to float rounding of a different batch); the prompt's entries stay the original
+prompt's.
+
 Seeded sampling: a seeded request continues with a seed derived from (seed, k), so a
 migrated request is reproducible for a given failure point but draws other numbers than
 an unbroken run would (the engine's generator state cannot be carried between nodes).
@@ -78,4 +83,20 @@ class Stitcher:
         finish = event.finish_reason or ("stop" if detok.stopped else None)
         ids = list(self.base.output_ids) + list(event.output_ids)
         return Event(event.rid, delta, detok.emitted, ids, self.base.prompt_tokens,
-                     self.base.cached_tokens, finish, {**event.meta, "migrated": True})
+                     self.base.cached_tokens, finish, self._meta(event.meta))
+
+    def _meta(self, meta: dict) -> dict:
+        """The continuation's meta as the original request's: output logprob entries of
+        the tokens sent before the migration, then the continuation's (one per id, as the
+        ids); the prompt's entries are the original prompt's."""
+        out = {**meta, "migrated": True}
+        base = self.base.meta
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in base and key in meta:
+                out[key] = list(base[key]) + list(meta[key])
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            if key in base:
+                out[key] = base[key]
+            else:
+                out.pop(key, None)
+        return out

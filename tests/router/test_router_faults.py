@@ -284,6 +284,70 @@ def test_kill9_decode_node_before_first_token_is_retried(stack, router: str, lat
         wait_pools_full(url)
 
 
+async def _logprob_stream(client: httpx.AsyncClient, router: str, ids: list[int], n: int,
+                          started: list) -> dict:
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 0, "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    async with client.stream("POST", f"{router}/generate", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        res = {"decode": resp.headers["x-pdserve-decode-node"], "meta": None, "error": None}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                res["error"] = event["error"]["message"]
+                break
+            res["meta"] = event["meta_info"]
+            if len(event["output_ids"]) >= 3 and res not in started:
+                started.append(res)  # a few tokens (and their logprobs) are out
+        return res
+
+
+def test_kill9_decode_node_migrates_logprob_streams(stack, router: str, late, offline):
+    """Greedy streams with logprobs (output top-2 and the prompt's) whose decode node is
+    killed mid-stream move to a live pair like any other: ids, output logprobs and the
+    prompt's logprobs equal the colocated engine's (1e-4) across the migration point."""
+    from pdserve import SamplingParams
+
+    n, long = 6, 120
+    dead = late["decode"].node_id
+    prompts = [[11 + i] * 24 for i in range(n)]
+    started: list[dict] = []
+
+    async def run():
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [asyncio.create_task(_logprob_stream(client, router, p, long, started))
+                     for p in prompts]
+            while len(started) < n:
+                await asyncio.sleep(0.02)
+            late["decode"].kill9()
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert any(r["decode"] == dead for r in results), [r["decode"] for r in results]
+    refs = offline.llm.generate(prompts, SamplingParams(max_new_tokens=long, temperature=0.0,
+                                                        ignore_eos=True, logprobs=2,
+                                                        prompt_logprobs=2))
+    tol = 1e-4
+    for r, ref, ids in zip(results, refs, prompts, strict=True):
+        assert r["error"] is None, r
+        meta = r["meta"]
+        out = meta["output_token_logprobs"]
+        assert [t[1] for t in out] == ref.output_ids, r["decode"]
+        assert all(abs(t[0] - e[0]) < tol for t, e in zip(out, ref.logprobs, strict=True))
+        assert [[t[1] for t in top] for top in meta["output_top_logprobs"]] == \
+            [[a for a, _ in alts] for _, alts in ref.logprobs]
+        inp = meta["input_token_logprobs"]
+        assert [t[1] for t in inp] == ids and inp[0][0] is None
+        assert all(abs(t[0] - e[0]) < tol
+                   for t, e in zip(inp[1:], ref.prompt_logprobs, strict=True))
+        assert meta.get("migrated") is (True if r["decode"] == dead else None)
+    for url in (stack.urls["decode-0"], stack.urls["decode-1"]):
+        wait_pools_full(url)
+
+
 def _retries(router: str) -> float:
     for line in httpx.get(f"{router}/metrics", timeout=5).text.splitlines():
         if line.startswith("pdserve_router_retries_total "):
