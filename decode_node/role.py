@@ -185,7 +185,7 @@ class DecodeRole(TransferRole):
             req.pd.receiver.abort(req.error or "aborted")
             self.draining.append(req)
             return True
-        pd = getattr(req, "pd", None)
+        pd = req.pd
         if pd is not None and pd.meta_slot is not None and not pd.receiver.poll().terminal:
             self.out.report(req)  # doomed: the client hears now, the pages wait
             self.draining.append(req)

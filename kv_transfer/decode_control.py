@@ -198,7 +198,7 @@ class DecodeControl(ControlLoop):
         if self._cfg.quarantine:
             return self._hold(r, failure)
         release = r.granted_until + self._cfg.write_lease_margin_s
-        if not confirmed and time.monotonic() < release:
+        if time.monotonic() < release:
             self._stats.inc("fenced_rooms")
             self._fencing[r.room] = (release, r, failure)
         else:
