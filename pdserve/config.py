@@ -54,6 +54,17 @@ class EngineConfig:
     hicache_ratio: float = 2.0  # host pages / device pages (when hicache_size is 0)
     hicache_size: float = 0.0  # host tier in GiB; 0 = from hicache_ratio
     hicache_write_policy: str = "write_through"
+    # HiCache's storage tier under the host tier ("" off; "file": one file per page under
+    # hicache_storage_path, which nodes of one model may share).
+    hicache_storage_backend: str = ""
+    hicache_storage_path: str = ""
+    # mooncake: the master's RPC address, its HTTP metadata server (default: the master's
+    # host, port 8080), this node's address for the store, the memory it lends the store.
+    hicache_mooncake_master: str = ""
+    hicache_mooncake_metadata_url: str = ""
+    hicache_mooncake_host: str = "127.0.0.1"
+    hicache_mooncake_segment_mb: int = 1024
+    hicache_mooncake_protocol: str = "tcp"
     tp_size: int = 1  # ranks of this node (docs/architecture.md: Tensor parallelism)
     # Forward (torch intra-op) threads; 0 = torch's default, one per core. `pdserve up`
     # splits the cores between the nodes it starts (docs/architecture.md: CPU threads).
@@ -110,6 +121,23 @@ class EngineConfig:
         if self.hicache_write_policy not in HICACHE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {'|'.join(HICACHE_POLICIES)}"
                              f", got {self.hicache_write_policy!r}")
+        if self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
+            raise ValueError("hicache_storage_backend must be file or mooncake (or empty: off), "
+                             "got "
+                             f"{self.hicache_storage_backend!r}")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        if self.hicache_storage_backend == "file" and not self.hicache_storage_path:
+            raise ValueError("--hicache-storage-backend file needs --hicache-storage-path")
+        if self.hicache_storage_backend == "mooncake":
+            host, _, port = self.hicache_mooncake_master.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError("--hicache-storage-backend mooncake needs "
+                                 "--hicache-mooncake-master HOST:PORT")
+            if self.hicache_mooncake_segment_mb < 1:
+                raise ValueError("hicache_mooncake_segment_mb must be >= 1")
+            if self.hicache_mooncake_protocol not in ("tcp", "rdma"):
+                raise ValueError("hicache_mooncake_protocol must be tcp or rdma")
         if self.hicache_size:
             have = physical_memory_bytes()
             if have and self.hicache_size * (1 << 30) > have * 0.9:
@@ -146,6 +174,7 @@ def physical_memory_bytes() -> int:
 
 
 HICACHE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("", "file", "mooncake")
 
 _HELP = {
     "model": "built-in name (smollm2-135m, tiny-llama, tiny-qwen2) or a local HF folder",
@@ -194,6 +223,21 @@ _HELP = {
     "hicache_write_policy": "when cached KV is copied to the host tier: write_through (on "
                             "insert), write_through_selective (once hit twice), write_back "
                             "(on device eviction)",
+    "hicache_storage_backend": "HiCache storage tier under the host tier: file (one file "
+                               "per page under --hicache-storage-path) or mooncake (a "
+                               "Mooncake Store); pages written behind their host copy, "
+                               "read back on a miss, checked; nodes of one model sharing "
+                               "it share prefixes; empty: off",
+    "hicache_storage_path": "folder of the file storage tier",
+    "hicache_mooncake_master": "mooncake storage tier: the mooncake_master's RPC address "
+                               "HOST:PORT",
+    "hicache_mooncake_metadata_url": "mooncake storage tier: the master's HTTP metadata "
+                                     "server (empty: http://MASTER_HOST:8080/metadata)",
+    "hicache_mooncake_host": "mooncake storage tier: this node's address the other store "
+                             "clients reach",
+    "hicache_mooncake_segment_mb": "mooncake storage tier: memory (MiB) this node lends "
+                                   "the store",
+    "hicache_mooncake_protocol": "mooncake storage tier: tcp or rdma",
     "cuda_graph_max_bs": "CUDA: decode batches of up to this many requests replay CUDA graphs "
                          "captured at start-up (one per row and context bucket; 0: off). "
                          "Ignored on CPU and with --tp-size > 1",

@@ -24,15 +24,14 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.cache.latency import LatencyHistogram
 from pdserve.memory.host_pool import HostKVPool
 from pdserve.memory.kv_pool import KVPool
-
-# Upper bounds (seconds) of the copy latency histograms, submit to done (queueing included).
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 @dataclass
@@ -42,6 +41,7 @@ class CopyOp:
     device_pages: list[int]
     host_pages: list[int]
     nbytes: int
+    after: Callable[[], None] | None = None  # runs on the copy thread once the copy is done
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_end: float = 0.0
@@ -63,8 +63,8 @@ class HiCacheController:
         self.timeline: deque[CopyOp] = deque(maxlen=4096)  # finished ops (tests, metrics)
         self.stats = {"backup_ops": 0, "load_ops": 0, "backup_bytes": 0, "load_bytes": 0,
                       "backup_seconds": 0.0, "load_seconds": 0.0}
-        # kind -> per-bucket counts (not cumulative) and the sum of latencies
-        self.latency = {k: ([0] * len(LATENCY_BUCKETS_S), [0.0]) for k in ("backup", "load")}
+        # kind -> latency from submit to done (queueing included)
+        self.latency = {k: LatencyHistogram() for k in ("backup", "load")}
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._cuda = device.type == "cuda"
@@ -74,19 +74,23 @@ class HiCacheController:
         self._thread.start()
 
     # -- submission (scheduler thread) ------------------------------------------------------
-    def _submit(self, kind: str, device_pages: list[int], host_pages: list[int]) -> int:
+    def _submit(self, kind: str, device_pages: list[int], host_pages: list[int],
+                after: Callable[[], None] | None = None) -> int:
         if len(device_pages) != len(host_pages) or not device_pages:
             raise ValueError("a copy needs equal, non-empty device and host page lists")
         self._next_id += 1
         op = CopyOp(self._next_id, kind, list(device_pages), list(host_pages),
-                    len(device_pages) * self.host.page_bytes_all_layers)
+                    len(device_pages) * self.host.page_bytes_all_layers, after)
         if kind == "load":
             self.last_load = op.op_id
         self._jobs.put(op)
         return op.op_id
 
-    def backup(self, device_pages: list[int], host_pages: list[int]) -> int:
-        return self._submit("backup", device_pages, host_pages)
+    def backup(self, device_pages: list[int], host_pages: list[int],
+               after: Callable[[], None] | None = None) -> int:
+        """`after` (the storage tier's write of these host pages) runs on the copy thread
+        once they are on the host, before the op counts as done: the pages stay locked."""
+        return self._submit("backup", device_pages, host_pages, after)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> int:
         return self._submit("load", device_pages, host_pages)
@@ -155,37 +159,22 @@ class HiCacheController:
         self.gate.wait()
         op.t_start = time.perf_counter()
         self._run(op)
+        if op.after is not None:
+            op.after()
         op.t_end = time.perf_counter()
         key = op.kind
         self.stats[f"{key}_ops"] += 1
         self.stats[f"{key}_bytes"] += op.nbytes
         self.stats[f"{key}_seconds"] += op.t_end - op.t_start
-        self._observe(op)
+        self.latency[op.kind].observe(op.t_end - op.t_submit)
         self.timeline.append(op)
         with self._cv:
             self._done_upto = op.op_id
             self._cv.notify_all()
 
-    def _observe(self, op: CopyOp) -> None:
-        counts, total = self.latency[op.kind]
-        seconds = op.t_end - op.t_submit
-        total[0] += seconds
-        for i, bound in enumerate(LATENCY_BUCKETS_S):
-            if seconds <= bound:
-                counts[i] += 1
-                break
-
     def latency_histograms(self) -> dict:
-        """{kind: {"buckets": [[le, cumulative count], ...], "sum": s, "count": n}}, plain
-        lists (msgpack-safe) for /metrics; +Inf is `count`."""
-        out = {}
-        for kind, (counts, total) in self.latency.items():
-            cum, acc = [], 0
-            for bound, n in zip(LATENCY_BUCKETS_S, counts, strict=True):
-                acc += n
-                cum.append([bound, acc])
-            out[kind] = {"buckets": cum, "sum": total[0], "count": self.stats[f"{kind}_ops"]}
-        return out
+        """{kind: LatencyHistogram.snapshot()} for /metrics."""
+        return {kind: h.snapshot() for kind, h in self.latency.items()}
 
     def _run(self, op: CopyOp) -> None:
         if self._cuda:

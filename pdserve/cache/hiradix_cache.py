@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.cache.hicache_controller import HiCacheController
+from pdserve.cache.kv_storage import PageStore
 from pdserve.cache.radix_cache import Node, RadixCache, _clock
 from pdserve.memory.page_allocator import PageAllocator
 
@@ -52,18 +53,19 @@ class Match(NamedTuple):
 class HiRadixCache(RadixCache):
     def __init__(self, page_size: int, free_pages: Callable[[list[int]], None],
                  host_alloc: PageAllocator, ctrl: HiCacheController, policy: str,
-                 load_threshold_pages: int = 1) -> None:
+                 load_threshold_pages: int = 1, store: PageStore | None = None) -> None:
         super().__init__(page_size, free_pages)
         if policy not in POLICIES:
             raise ValueError(f"hicache write policy must be one of {POLICIES}, got {policy!r}")
         self.root = HiNode()
         self.root.lock_ref = 1
         self.host_alloc, self.ctrl, self.policy = host_alloc, ctrl, policy
+        self.store = store  # the storage tier under the host tier (None: off)
         self.load_threshold_pages = load_threshold_pages
         self.host_total_pages = 0
         self._pending: dict[int, Node] = {}  # op id -> node locked until its copy is acked
         self.stats = {"host_hit_tokens": 0, "device_evictions": 0, "host_evictions": 0,
-                      "backups_skipped": 0}
+                      "backups_skipped": 0, "storage_hit_tokens": 0}
 
     def _npages(self, node: Node) -> int:
         return len(node.key) // self.page_size
@@ -186,7 +188,15 @@ class HiRadixCache(RadixCache):
             dev.extend(n.pages)
             off += k
         self.host_total_pages += need
-        op = self.ctrl.backup(dev, host)
+        after = None
+        if self.store is not None:  # the storage tier: written behind the host copy
+            tokens = self._path_tokens(path[-1])
+            keys = self.store.keys(tokens, len(tokens) // self.page_size)[-need:]
+            store = self.store
+
+            def after() -> None:
+                store.save(keys, host)
+        op = self.ctrl.backup(dev, host, after)
         self.lock(path[-1])
         self._pending[op] = path[-1]
         return op
@@ -221,6 +231,49 @@ class HiRadixCache(RadixCache):
         self._pending[op] = m.host_node
         self.stats["host_hit_tokens"] += m.host_pages * self.page_size
         return dev, op
+
+    def fetch_from_storage(self, tokens: list[int], m: Match) -> int:
+        """Read the pages past match `m` that the storage tier holds into new host-only
+        nodes under `m.host_node` (synchronously, each object checked); returns how many.
+        `load_back` of a fresh match then brings them to the device like any host hit."""
+        node, ps = m.host_node, self.page_size
+        if self.store is None or (node is not self.root and node.host is None):
+            return 0  # host copies go top-down (see the invariants)
+        start, total = len(m.device_pages) + m.host_pages, len(tokens) // ps
+        least = max(1, self.load_threshold_pages)
+        if total - start < least or self._first(tokens[start * ps:]) in node.children:
+            return 0
+        keys = self.store.keys(tokens, total)[start:]
+        n = self.store.available(keys)
+        if n < least:
+            return 0
+        self.lock(node)  # host eviction must not take the path we attach to
+        try:
+            if self.host_alloc.num_free < n:
+                self.evict_host(n - self.host_alloc.num_free)
+            host = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
+            if not host:
+                return 0
+            ok = self.store.load(keys[:len(host)], host)
+            self.host_alloc.free(host[ok:])
+            if not ok:
+                return 0
+            new = HiNode(tuple(tokens[start * ps:(start + ok) * ps]), [], node)
+            new.host = host[:ok]
+            node.children[self._first(new.key)] = new
+            self.host_total_pages += ok
+            self.stats["storage_hit_tokens"] += ok * ps
+            return ok
+        finally:
+            self.unlock(node)
+
+    def _path_tokens(self, node: Node) -> list[int]:
+        """The token ids from the root to the end of `node`."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
 
     def check_acks(self) -> None:
         """Unlock nodes whose copies completed (the scheduler calls this every step)."""

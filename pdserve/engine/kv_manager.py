@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pdserve.cache.hicache_controller import HiCacheController
 from pdserve.cache.hiradix_cache import HiRadixCache
+from pdserve.cache.kv_storage import PageStore
 from pdserve.cache.radix_cache import RadixCache
 from pdserve.engine.request import Req
 from pdserve.memory.host_pool import HostKVPool
@@ -23,7 +24,7 @@ from pdserve.memory.req_to_token import ReqToTokenPool
 class KVManager:
     def __init__(self, kv_pool: KVPool, req_pool: ReqToTokenPool, use_cache: bool,
                  host_pool: HostKVPool | None = None, ctrl: HiCacheController | None = None,
-                 write_policy: str = "write_through") -> None:
+                 write_policy: str = "write_through", store: PageStore | None = None) -> None:
         self.kv = kv_pool
         self.req_pool = req_pool
         self.page_size = kv_pool.page_size
@@ -32,7 +33,7 @@ class KVManager:
         self.cache: RadixCache | None = None
         if use_cache and ctrl is not None and host_pool is not None:
             self.cache = HiRadixCache(self.page_size, self.alloc.free, host_pool.allocator,
-                                      ctrl, write_policy)
+                                      ctrl, write_policy, store=store)
         elif use_cache:
             self.cache = RadixCache(self.page_size, self.alloc.free)
         self.hi = self.cache if isinstance(self.cache, HiRadixCache) else None
@@ -94,6 +95,8 @@ class KVManager:
         """HiCache admission: device hit plus, when worth it and the device has room, the
         host-only part loaded back (asynchronously; the batch waits per layer)."""
         m = self.hi.match(prefix)
+        if self.hi.fetch_from_storage(prefix, m):  # storage pages are host pages now
+            m = self.hi.match(prefix, count=False)
         pages, node = list(m.device_pages), m.device_node
         if m.load_op:  # part of the device hit is still being loaded (for another request)
             req.load_op, req.load_pages = m.load_op, m.loading

@@ -69,11 +69,42 @@ def _hicache_metrics(h: dict | None):
     ev.add_metric(["host"], h.get("host_evictions", 0))
     yield ev
     for kind, hist in (h.get("latency_s") or {}).items():
-        buckets = [(repr(float(le)), n) for le, n in hist["buckets"]]
-        buckets.append(("+Inf", hist["count"]))
-        yield HistogramMetricFamily(f"pdserve_hicache_{kind}_latency_seconds",
-                                    f"HiCache {kind} latency, submit to done",
-                                    buckets=buckets, sum_value=hist["sum"])
+        yield _histogram(f"pdserve_hicache_{kind}_latency_seconds",
+                         f"HiCache {kind} latency, submit to done", hist)
+    yield from _storage_metrics(h.get("storage"))
+
+
+def _histogram(name: str, doc: str, hist: dict) -> HistogramMetricFamily:
+    """A `LatencyHistogram.snapshot()` as a Prometheus histogram."""
+    buckets = [(repr(float(le)), n) for le, n in hist["buckets"]]
+    buckets.append(("+Inf", hist["count"]))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist["sum"])
+
+
+_STORAGE_COUNTERS = (
+    ("storage_hit_pages", "pages read back from the storage tier (checked)"),
+    ("storage_miss_lookups", "storage lookups that ended at a missing page"),
+    ("storage_corrupt_pages", "storage objects refused by their checksum (recomputed)"),
+    ("storage_errors", "storage reads or writes that failed (served without storage)"),
+    ("storage_written_pages", "pages written to the storage tier"),
+    ("storage_write_bytes", "bytes written to the storage tier"),
+    ("storage_read_bytes", "bytes read from the storage tier"),
+    ("storage_read_seconds", "seconds spent reading the storage tier"),
+    ("storage_write_seconds", "seconds spent writing the storage tier"))
+
+
+def _storage_metrics(st: dict | None):
+    """HiCache storage tier: hits, misses, refused objects, errors, bytes and seconds."""
+    if not st:
+        return
+    yield GaugeMetricFamily("pdserve_hicache_storage_up", "1 while the storage tier is "
+                            "reachable (0: the node serves without it)",
+                            value=st.get("storage_up", 0))
+    for key, doc in _STORAGE_COUNTERS:
+        yield CounterMetricFamily(f"pdserve_hicache_{key}", doc, value=st.get(key, 0))
+    for kind, hist in (st.get("latency_s") or {}).items():
+        yield _histogram(f"pdserve_hicache_storage_{kind}_latency_seconds",
+                         f"HiCache storage tier: one {kind} call's latency", hist)
 
 
 def _role_metrics(role: dict):

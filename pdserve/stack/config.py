@@ -7,6 +7,7 @@ import argparse
 import shlex
 from dataclasses import dataclass, replace
 
+from pdserve.config import HICACHE_STORAGE_BACKENDS
 from pdserve.flags import add_dataclass_flags, opt, values_from
 from pdserve.tokens import read_token_file
 
@@ -33,7 +34,18 @@ class StackConfig:
                                 "split evenly between the nodes, at least 1; a --threads "
                                 "in --node-args wins)")
     node_args: str = _opt("", "extra flags for every node, e.g. '--max-running-requests 32'")
+    prefill_args: str = _opt("", "extra flags for prefill nodes only, after --node-args, "
+                                 "e.g. '--enable-hierarchical-cache'")
+    decode_args: str = _opt("", "extra flags for decode nodes only, after --node-args")
     router_args: str = _opt("", "extra flags for the router, e.g. '--queue-timeout-s 5'")
+    hicache_storage_backend: str = _opt("", "give the prefill nodes HiCache with this "
+                                            "storage tier, shared by them: file (a folder, "
+                                            "--hicache-storage-path) or mooncake (up starts "
+                                            "a mooncake_master); empty: none",
+                                        choices=HICACHE_STORAGE_BACKENDS,
+                                        metavar="{file,mooncake}")
+    hicache_storage_path: str = _opt("", "folder of the file storage tier (default: "
+                                         "kv-storage in the log folder)")
     registry_token: str = _opt("", "bearer token the registry requires for writes")
     registry_token_file: str = _opt("", "read --registry-token from this file (children "
                                         "get it as a file too, never in argv)")
@@ -52,15 +64,25 @@ class StackConfig:
                 raise ValueError(f"{flag} must be in 0..65535, got {port}")
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError("--transfer-backend must be mooncake or tcp")
+        if self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
+            raise ValueError("--hicache-storage-backend must be file or mooncake")
         if self.node_threads < 0:
             raise ValueError("--node-threads must be >= 0 (0: split the cores)")
         if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("--startup-timeout-s and --stop-timeout-s must be > 0")
-        for flag, text in (("--node-args", self.node_args), ("--router-args", self.router_args)):
+        for flag, text in (("--node-args", self.node_args), ("--prefill-args", self.prefill_args),
+                           ("--decode-args", self.decode_args),
+                           ("--router-args", self.router_args)):
             try:
                 shlex.split(text)
             except ValueError as exc:
                 raise ValueError(f"{flag}: {exc}") from None
+
+    def node_argv(self, role: str) -> list[str]:
+        """The extra flags of a `role` node: --node-args, then that role's own (later flags
+        win: argparse keeps the last)."""
+        own = self.prefill_args if role == "prefill" else self.decode_args
+        return shlex.split(self.node_args) + shlex.split(own)
 
 
 @dataclass(frozen=True)

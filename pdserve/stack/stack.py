@@ -27,6 +27,7 @@ from pdserve.devices import kv_device_type, torch_cuda_version
 from pdserve.ports import check_port_free, free_port
 from pdserve.stack.child import Child
 from pdserve.stack.config import StackConfig
+from pdserve.stack.kv_store import start_master
 
 LOOPBACK = "127.0.0.1"
 PORT_RETRIES = 3
@@ -60,6 +61,7 @@ class Stack:
         self.backend = cfg.transfer_backend
         self.node_threads = cfg.node_threads or split_cores(cfg.prefill + cfg.decode)
         self.http = httpx.Client(trust_env=False)
+        self.storage_flags: list[str] = []  # HiCache storage flags of the prefill nodes
 
     # ---- start ---------------------------------------------------------------------------
     def start(self) -> Stack:
@@ -78,12 +80,14 @@ class Stack:
                      f"{self.node_threads} forward thread(s) each (--node-threads)")
         t0 = time.monotonic()
         self._start_registry(t0 + cfg.startup_timeout_s)
+        self._start_kv_store(t0 + cfg.startup_timeout_s)
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for i in range(count):
                 self.members.append(self._node(f"{role}-{i}", role, free_port()))
         self.members.append(self._router(cfg.port or free_port()))
-        for m in self.members[1:]:
-            m.child.start()
+        for m in self.members:
+            if m.role or m.name == "router":  # the registry and kv-store already run
+                m.child.start()
         self._wait_ready(t0 + cfg.startup_timeout_s)
         return self
 
@@ -109,6 +113,24 @@ class Stack:
             time.sleep(0.1)
         raise StackError("the registry did not come up in time")
 
+    def _start_kv_store(self, deadline: float) -> None:
+        """HiCache storage shared by the prefill nodes (--hicache-storage-backend)."""
+        backend = self.cfg.hicache_storage_backend
+        if not backend:
+            return
+        flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", backend]
+        if backend == "mooncake":
+            try:
+                child, where = start_master(self.log_dir, deadline)
+            except RuntimeError as exc:
+                raise StackError(str(exc)) from None
+            self.members.append(Member("kv-store", child, ready=True))
+            flags += where
+        else:
+            folder = self.cfg.hicache_storage_path or str(self.log_dir / "kv-storage")
+            flags += ["--hicache-storage-path", folder]
+        self.storage_flags = flags
+
     def _node(self, name: str, role: str, port: int) -> Member:
         cfg = self.cfg
         url = f"http://{LOOPBACK}:{port}"
@@ -118,8 +140,10 @@ class Stack:
         if cfg.registry_token:
             cmd += ["--registry-token-file", self._token_file()]
         cmd += ["--transfer-backend", self.backend, "--threads", str(self.node_threads)]
-        cmd += self._gpu_share()
-        cmd += shlex.split(cfg.node_args)  # last: its flags win (argparse keeps the last)
+        cmd += self._gpu_share(role)
+        if role == "prefill":
+            cmd += self.storage_flags
+        cmd += cfg.node_argv(role)  # last: its flags win (argparse keeps the last)
         return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
 
     def _token_file(self) -> str:
@@ -146,10 +170,10 @@ class Stack:
         self.say(f"  mooncake is unavailable here ({problem}); using the tcp KV backend")
         return "tcp"
 
-    def _gpu_share(self) -> list[str]:
+    def _gpu_share(self, role: str) -> list[str]:
         """Nodes on one GPU split --mem-fraction-static (each sizes its KV pool from its
-        share), unless --node-args sizes the pools itself."""
-        args = shlex.split(self.cfg.node_args)
+        share), unless the node's extra flags size the pool themselves."""
+        args = self.cfg.node_argv(role)
         sized = ("--kv-cache-mb", "--max-total-tokens", "--mem-fraction-static")
         if self._node_device() != "cuda" or any(a.split("=", 1)[0] in sized for a in args):
             return []
@@ -239,6 +263,7 @@ class Stack:
         rows = [row("router", self.router_url), ("openai", self.router_url + "/v1"),
                 row("registry", self.registry_url)]
         rows += [row(m.name, m.child.url) for m in self.members if m.role]
+        rows += [row(m.name, m.child.url) for m in self.members if m.name == "kv-store"]
         return rows + [("logs", str(self.log_dir))]
 
     # ---- stop ----------------------------------------------------------------------------
@@ -248,7 +273,7 @@ class Stack:
         killed: list[str] = []
         groups = [[m for m in self.members if m.name == "router"],
                   [m for m in self.members if m.role],
-                  [m for m in self.members if m.name == "registry"]]
+                  [m for m in self.members if m.name in ("registry", "kv-store")]]
         for group in groups:
             for m in group:
                 m.child.signal(signal.SIGTERM)

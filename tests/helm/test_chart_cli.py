@@ -10,7 +10,17 @@ import subprocess
 
 import helm_tool
 import pytest
-from manifests import ENV_REF, FULLNAME, containers, env_names, pdserve_argv, workloads
+from manifests import (
+    ENV_REF,
+    FULLNAME,
+    containers,
+    env_names,
+    flag,
+    main_container,
+    pdserve_argv,
+    tier,
+    workloads,
+)
 
 from pdserve.cli import build_parser
 
@@ -52,8 +62,9 @@ def test_every_container_command_parses_with_the_pdserve_cli(render, values):
     for workload in workloads(docs):
         for container in containers(workload):
             argv = pdserve_argv(container)
-            if argv is None:
-                assert container["name"] == "redis", f"{container['name']} does not run pdserve"
+            if argv is None:  # Redis, and the kv-store's mooncake_master (image's wheel)
+                assert container["name"] in ("redis", "kv-store"), \
+                    f"{container['name']} does not run pdserve"
                 continue
             assert argv, f"{container['name']}: `pdserve` without a subcommand"
             if argv[0] == "router" and "router" not in known:
@@ -104,3 +115,44 @@ def test_notes_tell_how_to_reach_the_router_and_bench_it(helm):
         argv = [a.replace("$PDSERVE_URL", "http://127.0.0.1:8000") for a in argv]
         ns = parse(argv)
         assert ns.base_url.startswith("http://")
+
+
+def test_hicache_values_reach_their_tier_and_parse(render):
+    """`prefill.hicache.enabled` turns HiCache on for the prefill tier only, with the tier's
+    ratio, size and write policy, as flags pdserve's parser accepts."""
+    docs = render(None, {"prefill.hicache.enabled": "true", "prefill.hicache.ratio": "3.5",
+                         "prefill.hicache.writePolicy": '"write_back"'})
+    pre = pdserve_argv(main_container(tier(docs, "prefill")))
+    dec = pdserve_argv(main_container(tier(docs, "decode")))
+    assert "--enable-hierarchical-cache" in pre and "--enable-hierarchical-cache" not in dec
+    assert (flag(pre, "--hicache-ratio"), flag(pre, "--hicache-size"),
+            flag(pre, "--hicache-write-policy")) == ("3.5", "0", "write_back")
+    ns = parse(substitute(pre, {"POD_IP", "POD_NAME", "PDSERVE_REGISTRY_TOKEN",
+                                "PDSERVE_REGISTRY_STORE"}))
+    assert ns.enable_hierarchical_cache and ns.hicache_ratio == 3.5
+    off = pdserve_argv(main_container(tier(render(), "prefill")))
+    assert "--enable-hierarchical-cache" not in off
+
+
+def test_kv_store_gives_prefill_pods_a_mooncake_tier(render):
+    """kvStore.enabled: a mooncake_master Deployment and Service, every prefill pod pointed
+    at it (flags pdserve's parser accepts), decode pods untouched, off by default."""
+    docs = render("scale-4p8d")
+    store = tier(docs, "kv-store")
+    c = main_container(store)
+    assert c["command"] == ["mooncake_master"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"rpc": 50051, "metadata": 8080}
+    pre = pdserve_argv(main_container(tier(docs, "prefill")))
+    dec = pdserve_argv(main_container(tier(docs, "decode")))
+    assert flag(pre, "--hicache-storage-backend") == "mooncake"
+    assert flag(pre, "--hicache-mooncake-master") == f"{FULLNAME}-kv-store:50051"
+    assert flag(pre, "--hicache-mooncake-metadata-url") == \
+        f"http://{FULLNAME}-kv-store:8080/metadata"
+    assert flag(pre, "--hicache-mooncake-segment-mb") == "2048"
+    assert "--hicache-storage-backend" not in dec
+    ns = parse(substitute(pre, {"POD_IP", "POD_NAME", "PDSERVE_REGISTRY_TOKEN",
+                                "PDSERVE_REGISTRY_STORE"}))
+    assert ns.hicache_storage_backend == "mooncake" and ns.enable_hierarchical_cache
+    assert not any(d.get("metadata", {}).get("name") == f"{FULLNAME}-kv-store"
+                   for d in render())

@@ -115,3 +115,21 @@ def test_helm_check_script_passes():
                          env={**os.environ, "PYTHON": sys.executable})
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"{len(VALUE_SETS)}/{len(VALUE_SETS)} value sets pass" in res.stdout
+
+
+def test_values_schema_is_current_and_refuses_typos(helm):
+    """values.schema.json is what scripts/helm_schema.py makes of values.yaml, and helm
+    refuses a misspelt key or a mistyped value instead of ignoring it."""
+    repo = helm_tool.REPO
+    check = subprocess.run([sys.executable, str(repo / "scripts" / "helm_schema.py"),
+                            "--check"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    for overrides, needle in (({"prefill.replica": "3"}, "replica"),
+                              ({"kvStore.enabled": '"yes"'}, "enabled"),
+                              ({"decode.hicache.ratio": '"two"'}, "ratio")):
+        with pytest.raises(subprocess.CalledProcessError) as err:
+            helm_tool.render(helm, None, overrides)
+        assert needle in err.value.stderr, err.value.stderr
+    # Kubernetes pass-through objects stay free-form.
+    assert helm_tool.render(helm, None, {"prefill.resources.limits.example/gpu": "1",
+                                         "prefill.nodeSelector.zone": '"a"'})

@@ -17,6 +17,8 @@ from pdserve.config import EngineConfig
     (["--hicache-ratio", "-1.5"], "hicache_ratio must be > 0"),
     (["--hicache-write-policy", "write_sometimes"], "hicache_write_policy must be one of"),
     (["--hicache-size", "1000000"], "does not fit this machine's memory"),
+    (["--hicache-storage-backend", "file"], "needs --hicache-storage-path"),
+    (["--hicache-storage-backend", "s3"], "hicache_storage_backend must be file"),
 ])
 def test_bad_hicache_flags_exit_nonzero(flags, message):
     cmd = [sys.executable, "-m", "pdserve.cli", "generate", "--model", "tiny-llama",
@@ -35,6 +37,40 @@ def test_flags_in_help_and_config():
     cfg = EngineConfig(enable_hierarchical_cache=True, hicache_ratio=0.5,
                        hicache_write_policy="write_back")
     assert cfg.hicache_ratio == 0.5
+
+
+def test_storage_tier_needs_hicache():
+    with pytest.raises(ValueError, match="needs --enable-hierarchical-cache"):
+        EngineConfig(hicache_storage_backend="file", hicache_storage_path="/tmp/x")
+
+
+def test_storage_metrics_render(tmp_path):
+    """The storage tier's counters reach /metrics and /server_info names the backend."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.server import messages as m
+    from pdserve.server.metrics import Metrics
+
+    llm = LLM("tiny-llama", max_total_tokens=256, enable_hierarchical_cache=True,
+              hicache_storage_backend="file", hicache_storage_path=str(tmp_path))
+    try:
+        llm.generate([list(range(200, 300))], SamplingParams(max_new_tokens=2, temperature=0.0))
+        llm.engine.kv.drain_copies()
+        h = llm.engine.hicache_stats()
+        assert h["storage"]["storage_written_pages"] > 0
+        assert llm.engine.describe()["hicache"]["storage"] == {"backend": "file",
+                                                                "path": str(tmp_path)}
+        stats = m.decode(m.encode(m.Stats(0, 0, 0.0, 0.0, 1, 1, 1, 1, True, {}, 0, 0,
+                                          hicache=h)))
+        text = Metrics(lambda: stats).render().decode()
+        line = next(x for x in text.splitlines()
+                    if x.startswith("pdserve_hicache_storage_written_pages_total "))
+        assert float(line.split()[-1]) == h["storage"]["storage_written_pages"]
+        assert "pdserve_hicache_storage_corrupt_pages_total 0.0" in text
+        count = "pdserve_hicache_storage_write_latency_seconds_count "
+        line = next(x for x in text.splitlines() if x.startswith(count))
+        assert float(line.split()[-1]) >= 1, line  # a write per backup that stored pages
+    finally:
+        llm.close()
 
 
 def test_hicache_metrics_render():

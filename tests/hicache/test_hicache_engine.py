@@ -4,11 +4,11 @@ runs; an abort during a load leaks nothing (docs/architecture.md: HiCache)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import time
 
+import hf_reference
 import pytest
 import torch
 
@@ -34,19 +34,8 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-@functools.cache
 def hf_greedy(ids: tuple[int, ...], n: int) -> tuple[int, ...]:
-    from transformers import AutoModelForCausalLM
-
-    from pdserve.models.builtin import resolve_model
-
-    m = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.float32).eval()
-    m.generation_config.eos_token_id = None
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                         max_new_tokens=n, pad_token_id=0)
-    return tuple(out[0, len(ids):].tolist())
+    return hf_reference.hf_greedy(MODEL, ids, n)
 
 
 def force_to_host(llm: LLM) -> None:

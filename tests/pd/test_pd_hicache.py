@@ -4,7 +4,8 @@
 Set-up on a real prefill -> decode pair (tcp transfers between the engines' threads): a
 10-page document is cached on the prefill, forced out to the host tier, and its first 4
 pages loaded back by another request, so the next request finds 4 pages on the device and
-6 on the host only. Freed device pages are poisoned, the prefill's host->device copies are
+6 on the host only (or, in the storage case, only in a file storage tier, read into the
+host tier at admission). Freed device pages are poisoned, the prefill's host->device copies are
 held by the controller's gate, and the request goes through the pair:
 - while the gate is closed, the early send carries exactly the 4 device-resident pages and
   the decode's pages for the loading range are still untouched;
@@ -30,8 +31,10 @@ WARM = DOC[:64] + random_prompt(20, seed=4243)
 PROMPT = DOC + random_prompt(9, seed=4244)
 
 
-@pytest.fixture
-def pair(monkeypatch):
+@pytest.fixture(params=["host", "storage"])
+def pair(request, monkeypatch, tmp_path):
+    """host: the document's tail is on the host tier; storage: only in a file storage tier
+    (both memory tiers emptied), read into the host tier at admission."""
     sent: list[tuple[int, list[int]]] = []
     real = KVSender.send
 
@@ -40,9 +43,12 @@ def pair(monkeypatch):
         return real(self, page_indices, last, metadata)
 
     monkeypatch.setattr(KVSender, "send", record)
+    extra = {"hicache_storage_backend": "file", "hicache_storage_path": str(tmp_path)} \
+        if request.param == "storage" else {}
     c = PDCluster(MODEL, "tcp", prefills=[{"enable_hierarchical_cache": True,
-                                           "max_total_tokens": 1024}])
+                                           "max_total_tokens": 1024, **extra}])
     c.sent = sent
+    c.tier = request.param
     yield c
     c.close()
 
@@ -60,12 +66,16 @@ def _prepare(c: PDCluster) -> None:
     p = c.prefills[0]
     c.generate([DOC + [7]], greedy(2))
     assert p.pools_full()
+    p.kv.drain_copies()
     p.kv.cache.evict(p.kv.cache.total_pages)  # the document now lives on the host only
+    if c.tier == "storage":  # ... or only in storage
+        p.kv.cache.evict_host(p.kv.cache.host_total_pages)
     c.generate([WARM], greedy(2))  # loads its first 4 pages back
     c.reset_caches("d")
     assert p.pools_full()
     m = p.kv.cache.match(PROMPT, count=False)
-    assert len(m.device_pages) == 4 and m.host_pages == 6, m[:1] + m[2:3]
+    host = 0 if c.tier == "storage" else 6  # storage: read at admission
+    assert len(m.device_pages) == 4 and m.host_pages == host, m[:1] + m[2:3]
     free = list(p.kv_pool.allocator._free)
     for b in p.kv_pool.k_buffers + p.kv_pool.v_buffers:
         _page_view(p, b)[free] = POISON
@@ -101,6 +111,9 @@ def test_early_send_excludes_loading_pages(pair):
     _prepare(c)
     leg, p_pages, d_pages = _start_gated(c)
     assert leg.prefill.load_pages == range(4, 10)
+    if c.tier == "storage":
+        # 4 pages for WARM, then the 6 of the loading range
+        assert p.hicache_stats()["storage"]["storage_hit_pages"] == 4 + 6
 
     def early_arrived():
         return all(bool(t.abs().sum()) for t in _pages_kv(d, d_pages[:4]))

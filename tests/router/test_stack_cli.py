@@ -11,6 +11,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 from router_harness import BACKEND, REPO, Up, group_alive, pdserve
 
 from pdserve.cli import build_parser
@@ -105,3 +106,24 @@ def test_nodes_on_one_gpu_split_the_memory_fraction(tmp_path):
     assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.212"  # 0.85 / 4
     assert "--mem-fraction-static" not in node_cmd("--device cuda --kv-cache-mb=4096")
     assert "--mem-fraction-static" not in node_cmd("--device cpu")
+
+
+def test_role_args_reach_only_their_role_and_win_over_node_args(tmp_path):
+    """--prefill-args / --decode-args go to their role's nodes only, after --node-args (the
+    later flag wins in argparse), e.g. HiCache on the prefill tier alone."""
+    from pdserve.stack.stack import Stack
+
+    cfg = StackConfig(model="tiny-llama", node_args="--hicache-ratio 3",
+                      prefill_args="--enable-hierarchical-cache --hicache-ratio 4",
+                      decode_args="--max-running-requests 7", log_dir=str(tmp_path),
+                      transfer_backend="tcp")
+    stack = Stack(cfg, say=lambda *_: None)
+    pre = stack._node("p0", "prefill", 1).child.cmd
+    dec = stack._node("d0", "decode", 2).child.cmd
+    assert "--enable-hierarchical-cache" in pre and "--enable-hierarchical-cache" not in dec
+    assert "--max-running-requests" in dec and "--max-running-requests" not in pre
+    ratios = [pre[i + 1] for i, a in enumerate(pre) if a == "--hicache-ratio"]
+    assert ratios == ["3", "4"]  # node args first, the role's last
+    assert [dec[i + 1] for i, a in enumerate(dec) if a == "--hicache-ratio"] == ["3"]
+    with pytest.raises(ValueError, match="--decode-args"):
+        StackConfig(model="tiny-llama", decode_args="--x 'unclosed")

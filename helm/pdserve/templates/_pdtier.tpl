@@ -18,7 +18,7 @@ The node binds and advertises the pod IP: the registry record's http_url is buil
 {{- $_ := set $sc "capabilities" $caps -}}
 {{- if $.Values.rdma.runAsRoot -}}
 {{/* IPC_LOCK lifts the memlock limit only for root: a non-root user gets no ambient
-capabilities. Else the runtime's memlock limit must be raised (README). */}}
+capabilities. Else the runtime's memlock limit must be raised (docs/deploy.md: RDMA). */}}
 {{- $_ := set $sc "runAsUser" 0 -}}
 {{- $_ := set $sc "runAsGroup" 0 -}}
 {{- $_ := set $sc "runAsNonRoot" false -}}
@@ -144,6 +144,30 @@ spec:
             {{- end }}
             - --log-level
             - {{ $.Values.engine.logLevel }}
+            {{- with $tier.hicache }}{{ if .enabled }}
+            - --enable-hierarchical-cache
+            - --hicache-ratio
+            - {{ .ratio | quote }}
+            - --hicache-size
+            - {{ .sizeGb | quote }}
+            - --hicache-write-policy
+            - {{ .writePolicy | quote }}
+            {{- end }}{{ end }}
+            {{- if and (eq $role "prefill") $.Values.kvStore.enabled }}
+            - --enable-hierarchical-cache
+            - --hicache-storage-backend
+            - mooncake
+            - --hicache-mooncake-master
+            - {{ printf "%s-kv-store:%v" (include "pdserve.fullname" $) $.Values.kvStore.rpcPort | quote }}
+            - --hicache-mooncake-metadata-url
+            - {{ printf "http://%s-kv-store:%v/metadata" (include "pdserve.fullname" $) $.Values.kvStore.metadataPort | quote }}
+            - --hicache-mooncake-host
+            - $(POD_IP)
+            - --hicache-mooncake-segment-mb
+            - {{ $.Values.kvStore.segmentMb | quote }}
+            - --hicache-mooncake-protocol
+            - {{ $.Values.kvStore.protocol | quote }}
+            {{- end }}
             {{- range $tier.extraArgs }}
             - {{ . | quote }}
             {{- end }}
