@@ -81,7 +81,7 @@ RUN mkdir -p "${XDG_CACHE_HOME}" \
 
 # uid 1000 (the ubuntu user on CUDA bases). RDMA needs locked memory: a non-root user gets
 # no ambient IPC_LOCK, so the chart's RDMA profile runs as root or relies on the runtime's
-# memlock limit (README: Deploy on Kubernetes).
+# memlock limit (docs/deploy.md: RDMA).
 USER 1000:1000
 WORKDIR /opt/pdserve
 # router 8000, registry 8998, prefill 30001, decode 30002

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check of pdserve on a single-GPU machine (README "GPU"), within 8 minutes:
+# One prepared check of pdserve on a single-GPU machine (docs/gpu.md), within 8 minutes:
 #   1. install the wheels carried in .whl/ (scripts/gpu_wheels.sh fills it; that machine
 #      reaches no registry) into a private folder, unpack Mooncake's system libraries
 #   2. build the tiny and synthetic models from the carried tokenizer files
@@ -8,7 +8,7 @@
 #   5. bench/kv_device.py, GPU->GPU KV transfer GB/s     -> OUT/kv_device.json
 #   6. 1P1D `pdserve up` + `pdserve bench` on one GPU    -> OUT/pd_bench.jsonl
 # and OUT/summary.json (every step's exit code and seconds, the benchmarks' summaries).
-# Tensor parallelism (--tp-size, README "Tensor parallelism") is NOT run here: the lent
+# Tensor parallelism (--tp-size, docs/tensor-parallel.md) is NOT run here: the lent
 # machine has one GPU and a TP2 node puts rank r on cuda:r (NCCL), so it needs two. TP is
 # checked on CPU (gloo) by tests/engine/test_engine_tp.py; summary.json says "tp": not run.
 # Each step has its own time limit, cut to what is left of the overall budget.

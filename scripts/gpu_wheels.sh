@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fill .whl/ (git-ignored) with what scripts/gpu_check.sh needs on the lent GPU machine,
-# which reaches no package registry (docs: README "GPU"). That machine has Python 3.12 with
+# which reaches no package registry (docs/gpu.md). That machine has Python 3.12 with
 # torch 2.11 + CUDA 13, transformers, msgpack, httpx, prometheus-client; it lacks pdserve's
 # server packages, the CUDA 13 Mooncake wheel and its system libraries, and the tokenizer
 # files the tiny and synthetic models copy (they come from the SmolLM2 GGUF here).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the pdserve image for real and run the stack inside it (README: Deploy on Kubernetes).
+# Build the pdserve image for real and run the stack inside it (docs/deploy.md).
 #
 #   bash scripts/image_check.sh [WORKDIR]      # default WORKDIR: a new temp folder
 #

@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from pdserve.engine.grammar import GrammarGate
+from pdserve.engine.logit_processing import PenaltyBook, logit_inputs
 from pdserve.engine.logprobs import LogprobSpec
 from pdserve.engine.request import Req
 from pdserve.engine.staging import Packed, StagingRing
@@ -42,6 +44,9 @@ class Batch:
     all_greedy: bool = True
     load_barrier: int = 0  # HiCache load op whose layers the forward waits for (0: none)
     lp: LogprobSpec | None = None  # None: no row asked for logprobs (nothing extra computed)
+    processes_logits: bool = False  # a row has penalties, logit_bias, min tokens or min_p
+    uses_min_p: bool = False
+    grammar: GrammarGate | None = None  # the mask of its structured-output rows
 
     @property
     def sampled_rows(self) -> list[Row]:
@@ -53,7 +58,8 @@ class Batch:
         return sum(r.decode for r in self.rows)
 
 
-def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_size: int) -> None:
+def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_size: int,
+               penalties: PenaltyBook) -> None:
     """Fill `batch.packed` from the rows (scheduler thread). `table` is req->token slots."""
     rows = batch.rows
     q_lens = [r.q_len for r in rows]
@@ -105,6 +111,11 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_siz
     if batch.lp is not None:
         ints["plp_rows"] = torch.tensor(plp_rows, dtype=torch.int64)
         ints["plp_targets"] = torch.tensor(plp_targets, dtype=torch.int64)
+    if (lx := logit_inputs([r.req for r in sampled], penalties)) is not None:
+        ints |= lx[0]
+        floats |= lx[1]
+        batch.processes_logits = True
+        batch.uses_min_p = any(p.min_p > 0 for p in params)
     batch.generators = tuple(r.req.generator for r in sampled)
     batch.all_greedy = all(p.greedy for p in params)
     batch.packed = staging.pack(ints, floats)

@@ -10,10 +10,12 @@ import logging
 import torch
 
 from pdserve.cache.hicache_controller import HiCacheController
+from pdserve.cache.kv_storage import PageStore, make_storage
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.executor import InlineExecutor, ThreadedExecutor
 from pdserve.engine.future_map import FutureMap
+from pdserve.engine.grammar import GrammarCompiler, RequestGrammar
 from pdserve.engine.kv_manager import KVManager
 from pdserve.engine.kv_sizing import kv_pool_size, probe_activation_peak
 from pdserve.engine.loop_choice import choose_loop
@@ -34,7 +36,7 @@ from pdserve.models.loader import LoadedModel, load_model
 from pdserve.models.ops import choose_ops
 from pdserve.models.tokenizer import load_tokenizer
 from pdserve.prompt_check import check_prompt_ids
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, grammar_of
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +74,21 @@ class Engine:
             send_init(self.tp, self.kv_pool.num_pages)
         req_pool = ReqToTokenPool(cfg.max_running_requests + 1, self.context_length + 1)
         self.host_pool, self.hicache = self._make_hicache()
+        self.page_store = self._make_page_store()
         self.kv = KVManager(self.kv_pool, req_pool, use_cache=not cfg.disable_prefix_cache,
                             host_pool=self.host_pool, ctrl=self.hicache,
-                            write_policy=cfg.hicache_write_policy)
+                            write_policy=cfg.hicache_write_policy, store=self.page_store)
         self.future_map = FutureMap(cfg.max_running_requests, self.device)
         self.staging = StagingRing(self.device)
-        self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role)
+        self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role,
+                               self.loaded.hf_config.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.hf_config.vocab_size,
+                                        self.loaded.eos_token_ids)
+        self.compiling: list[Req] = []  # requests whose grammar is still compiling
         self.runner = runner = ModelRunner(model, self.kv_pool, self.future_map,
                                            Sampler(self.device, cfg.seed), self.device,
-                                           self.hicache, self._capture_graphs())
+                                           self.hicache, self._capture_graphs(),
+                                           num_slots=req_pool.size)
         self.out = OutputProcessor(self.sched, self.kv, self.tokenizer, self.context_length,
                                    self.role)
         self.loop_choice = choose_loop(cfg.requested_loop, self.device)
@@ -131,6 +139,23 @@ class Engine:
                  host_pool_bytes(self.layout, pages, pin) / (1 << 20), cfg.hicache_write_policy)
         return host, HiCacheController(self.kv_pool, host, self.device)
 
+    def _make_page_store(self) -> PageStore | None:
+        """HiCache's storage tier (`--hicache-storage-backend`), keyed under this model's
+        identity: its files' names and sizes, its config and the KV layout, so nodes that
+        load the same files under any path share pages and no other model can match."""
+        cfg = self.cfg
+        if not cfg.hicache_storage_backend or self.host_pool is None:
+            return None
+        storage = make_storage(cfg)
+        path = self.loaded.path
+        files = sorted((f.name, f.stat().st_size) for f in path.iterdir() if f.is_file()
+                       and f.suffix in (".safetensors", ".bin", ".gguf", ".json"))
+        lay = self.layout
+        identity = (f"{files}|{lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim}|"
+                    f"{lay.dtype}|page {lay.page_size}")
+        log.info("HiCache storage: %s", storage.describe())
+        return PageStore(storage, self.host_pool, identity)
+
     def _probe_activations(self) -> int:
         """Activation peak of the largest prompt batch this node admits (device bytes)."""
         model = self.loaded.model
@@ -154,13 +179,23 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
+        if (grammar := grammar_of(params)) is not None:
+            req.grammar = RequestGrammar(self.grammars.start(*grammar), params.resumed_outputs,
+                                         self.loaded.eos_token_ids)
+            self.compiling.append(req)
         self.role.add_request(req, dict(extra or {}))
         self.requests[rid] = req
         return req
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (PromptError) for a prompt this engine cannot serve."""
-        check_prompt_ids(ids, self.loaded.hf_config.vocab_size, self.context_length)
+        vocab = self.loaded.hf_config.vocab_size
+        check_prompt_ids(ids, vocab, self.context_length)
+        if params.resumed_outputs > len(ids):
+            raise ValueError("resumed_outputs is longer than the prompt")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)}, outside the "
+                             f"vocabulary (size {vocab})")
         need = min(len(ids) + params.max_new_tokens, self.context_length)
         if need > self.max_total_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
@@ -211,6 +246,8 @@ class Engine:
         try:
             if not role_polled:
                 self.role.poll()
+            if self.compiling:
+                self._grammars_compiled()
             self.loop.step()
         except Exception:
             log.exception("engine step failed; failing every live request")
@@ -220,6 +257,18 @@ class Engine:
         for req in done:
             self.requests.pop(req.rid, None)
         return done
+
+    def _grammars_compiled(self) -> None:
+        """Fail the requests whose grammar did not compile (a 400 for their client); the
+        others may now sample (`Req.grammar_ready`)."""
+        still = []
+        for req in self.compiling:
+            if not req.grammar.ready:
+                still.append(req)
+            elif (err := req.grammar.error()) is not None and not req.finished:
+                req.error, req.error_code = err, "invalid_grammar"
+                self.out.finish(req, "error", cache_it=False)
+        self.compiling = still
 
     def _fail_all(self, message: str) -> None:
         for req in list(self.sched.running) + list(self.sched.waiting):
@@ -256,7 +305,9 @@ class Engine:
                 "max_total_tokens": self.max_total_tokens,
                 "hicache": None if self.host_pool is None else {
                     "host_pages": self.host_pool.num_pages,
-                    "write_policy": self.cfg.hicache_write_policy}}
+                    "write_policy": self.cfg.hicache_write_policy,
+                    "storage": None if self.page_store is None else
+                    self.page_store.describe()}}
 
     def memory_stats(self) -> dict[str, int]:
         return self.kv.stats()
@@ -278,12 +329,17 @@ class Engine:
         out["backup_seconds"] = self.hicache.stats["backup_seconds"]
         out["load_seconds"] = self.hicache.stats["load_seconds"]
         out["latency_s"] = self.hicache.latency_histograms()
+        if self.page_store is not None:
+            out["storage"] = self.page_store.gauges()
         return out
 
     def close(self) -> None:
+        self.grammars.close()
         self.role.close()
         self.executor.close()
         if self.tp is not None:
             self.tp.close()
         if self.hicache is not None:
             self.hicache.close()
+        if self.page_store is not None:  # after the copy thread: it may still be writing
+            self.page_store.close()

@@ -12,6 +12,7 @@ from pdserve.engine import logprobs
 from pdserve.engine.batch import Batch
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.future_map import FutureMap
+from pdserve.engine.logit_processing import LogitProcessor
 from pdserve.engine.logprobs import LogprobOutput
 from pdserve.engine.sampler import Sampler, SamplingBatch
 from pdserve.memory.kv_pool import KVPool
@@ -21,7 +22,7 @@ from pdserve.models.llama import AttnMeta, CausalLM
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, future_map: FutureMap,
                  sampler: Sampler, device: torch.device, hicache=None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, num_slots: int = 1) -> None:
         self.hicache = hicache  # HiCacheController or None
         self.graphs = graphs  # CUDA graphs of decode batches, or None (eager forwards)
         # (batch seq, start, end) of recent forwards (perf_counter): lets tests check that a
@@ -31,6 +32,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.future_map = future_map
         self.sampler = sampler
+        self.logits = LogitProcessor(num_slots, device)  # penalties, bias, min tokens
         self.device = device
         self._paged_decode = model.paged_decode()  # decode rows read the pool in place
         self._paged_extend = model.paged_extend()  # and so do prompt rows, where supported
@@ -75,9 +77,16 @@ class ModelRunner:
         sample_logits = logits[:n_sample]
         tokens = t["logit_rows"]
         if n_sample:
-            tokens = self.sampler(sample_logits, SamplingBatch(
+            x = self.logits.apply(sample_logits, t) if batch.processes_logits else sample_logits
+            if batch.grammar is not None:
+                if not batch.processes_logits and spec is not None:
+                    x = x.clone()  # logprobs report the raw logits
+                batch.grammar.apply(x)  # waits for the scheduler to fill the mask
+            tokens = self.sampler(x, SamplingBatch(
                 t["temperature"], t["top_p"], t["top_k"], list(batch.generators),
-                batch.all_greedy))
+                batch.all_greedy, t["lx_min_p"] if batch.uses_min_p else None))
+            if batch.processes_logits:
+                self.logits.record(t, tokens)
             self.future_map.store(t["future_ids"], tokens)
         if spec is None:
             return tokens, None

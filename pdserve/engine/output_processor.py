@@ -51,6 +51,10 @@ class OutputProcessor:
             self.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
+            if req.grammar is not None and not req.grammar.catch_up(req):
+                req.error, req.error_code = "a token broke the request's grammar", "grammar"
+                self.finish(req, "error", cache_it=False)
+                continue
             reason = self.stop_reason(req)
             if reason:
                 self.finish(req, reason)
@@ -58,6 +62,7 @@ class OutputProcessor:
                 self.kv.cache_prompt(req)  # its n - 1 sibling choices come next
         if batch.kind == "extend":
             self.role.on_extend_processed(batch)
+        self.sched.fill_gates()  # the next launched batch's grammar masks, if it waits
         self.processed_seq = batch.seq
         self._release_ready()
 

@@ -21,6 +21,7 @@ from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the roles own these types; the engine only carries them
     from decode_node.state import DecodeState
+    from pdserve.engine.grammar import RequestGrammar
     from prefill_node.state import PrefillState
 
 
@@ -58,6 +59,7 @@ class Req:
         self.retractions = 0
         self.text = ""
         self.generator: torch.Generator | None = None
+        self.grammar: RequestGrammar | None = None  # structured output (pdserve.engine.grammar)
         # Logprobs (docs/architecture.md: Logprobs), only when asked: one entry per output
         # token (None for a first token computed elsewhere: the PD decode node), and one per
         # prompt token from the second on. `prompt_lp_packed`: prompt positions whose
@@ -88,6 +90,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.state is ReqState.FINISHED
+
+    @property
+    def grammar_ready(self) -> bool:
+        """No grammar, or it compiled: the request may sample."""
+        return self.grammar is None or self.grammar.usable
 
     def wants_more_launches(self) -> bool:
         """False once launched samples reach max_new_tokens: the length stop is predictable,

@@ -1,4 +1,4 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling on the device: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
 A seeded request draws from its own `torch.Generator`, one draw per sampled token, so its
 output does not depend on which other requests share the batch.
@@ -18,6 +18,7 @@ class SamplingBatch:
     top_k: torch.Tensor  # [R] int, <= 0 = off
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
     all_greedy: bool
+    min_p: torch.Tensor | None = None  # [R] float, 0 = off; None: no row uses it
 
 
 class Sampler:
@@ -32,6 +33,9 @@ class Sampler:
             return greedy
         temp = s.temperature.clamp(min=1e-5).unsqueeze(1)
         probs = torch.softmax(logits / temp, dim=-1)
+        if s.min_p is not None:  # drop tokens below min_p x the most likely one's probability
+            floor = s.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < floor, 0.0, probs)
         probs = _top_k_top_p(probs, s.top_k, s.top_p)
         sampled = torch.empty_like(greedy)
         for i, gen in enumerate(s.generators):

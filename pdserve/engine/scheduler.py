@@ -16,11 +16,14 @@ import enum
 import itertools
 from collections import deque
 from collections.abc import Iterable
+from concurrent import futures
 
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import Batch, BatchKind, Row, pack_batch
 from pdserve.engine.future_map import FutureMap
+from pdserve.engine.grammar import GrammarGate
 from pdserve.engine.kv_manager import KVManager
+from pdserve.engine.logit_processing import PenaltyBook
 from pdserve.engine.request import Req, ReqState
 from pdserve.engine.role import Role
 from pdserve.engine.staging import StagingRing
@@ -43,7 +46,7 @@ COPY_WAIT_S = 0.005
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVManager, future_map: FutureMap,
-                 staging: StagingRing, role: Role) -> None:
+                 staging: StagingRing, role: Role, vocab_size: int = 0) -> None:
         self.cfg = cfg
         self.role = role
         self.kv = kv
@@ -54,6 +57,9 @@ class Scheduler:
         self.seq = 0
         self.num_retractions = 0
         self.num_mixed_batches = 0  # extend batches that also carried decode rows
+        self.penalties = PenaltyBook()  # which request's token counts each slot holds
+        self.gates: deque[GrammarGate] = deque()  # launched batches' unfilled grammar masks
+        self.vocab_size = vocab_size
 
     # -- queues ---------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -78,7 +84,8 @@ class Scheduler:
         self.kv.check_acks()  # HiCache copies done since the last step unlock their nodes
         # Listed before the extend rows are built: a request whose last chunk goes into
         # this batch must not also get a decode row (its input is this batch's output).
-        decoding = [r for r in self.running if r.prefill_done and r.wants_more_launches()]
+        decoding = [r for r in self.running
+                    if r.prefill_done and r.wants_more_launches() and r.grammar_ready]
         mix = not self.cfg.disable_mixed_batches and bool(decoding)
         rows = self._extend_rows(self._extend_budget(len(decoding) if mix else 0))
         if rows:
@@ -88,7 +95,8 @@ class Scheduler:
             return self._launchable("extend", rows)
         if not decoding:
             if not in_flight and not (self.waiting and self.kv.wait_for_copy(COPY_WAIT_S)):
-                self._unwedge_prefill()
+                if not self._wait_for_grammar(COPY_WAIT_S):
+                    self._unwedge_prefill()
             return None
         if self._pages_for_decode(decoding) > self.kv.available_pages:
             if in_flight:
@@ -101,10 +109,37 @@ class Scheduler:
     def _launchable(self, kind: BatchKind, rows: list[Row]) -> Batch:
         self.seq += 1
         batch = Batch(self.seq, kind, tuple(rows), load_barrier=self.kv.load_barrier())
-        pack_batch(batch, self.kv.req_pool.table, self.staging, self.kv.page_size)
+        pack_batch(batch, self.kv.req_pool.table, self.staging, self.kv.page_size,
+                   self.penalties)
+        grammar_rows = [i for i, r in enumerate(batch.sampled_rows) if r.req.grammar is not None]
+        if grammar_rows:
+            batch.grammar = GrammarGate(grammar_rows,
+                                        [batch.sampled_rows[i].req for i in grammar_rows],
+                                        self.vocab_size)
+            self.gates.append(batch.grammar)
+            self.fill_gates()
         if kind == "extend":
             self.role.on_extend_scheduled(batch)
         return batch
+
+    def fill_gates(self) -> None:
+        """Fill the grammar masks of launched batches whose requests have processed every
+        earlier token (after each result; right away in the normal loop), in launch order."""
+        while self.gates and self.gates[0].fillable():
+            self.gates.popleft().fill()
+
+    def _wait_for_grammar(self, timeout: float) -> bool:
+        """Nothing can run: wait a little for a grammar compile that holds a request back
+        (the first waiting one, or a decode node's received request), rather than spin
+        and starve the compile thread of the GIL (docs/architecture.md: Sampling). True if
+        one was compiling."""
+        held = [r.grammar.future for r in itertools.chain(itertools.islice(self.waiting, 1),
+                                                          self.running)
+                if not r.grammar_ready]
+        if not held:
+            return False
+        futures.wait(held, timeout, return_when=futures.FIRST_COMPLETED)
+        return True
 
     # -- admission (the scheduler's own and the decode role's pre-allocation) -------------
     def _decode_reserve(self, req: Req) -> int:
@@ -162,6 +197,8 @@ class Scheduler:
         self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
+            if not req.grammar_ready:  # in queue order: wait for its compile (cached: ms)
+                break
             if req.slot is None:
                 req.prepare_fill()
                 if not self.kv.admit(req):

@@ -1,6 +1,7 @@
-"""`n > 1`: the event streams of a request's n choices, run side by side and interleaved
-(docs/architecture.md: Logprobs). Each choice is an ordinary request of its own (the node
-batches them; seeds differ per choice, see `protocol._OpenAICommon.choice_seed`).
+"""`n > 1` or several prompts: the event streams of a request's choices, run side by side
+and interleaved (docs/architecture.md: Logprobs). Each choice is an ordinary request of
+its own (the node batches them; seeds differ per choice, see
+`protocol._OpenAICommon.choice_seed`).
 
 `merge` yields `(index, event)` pairs and ends with the first `ApiError` any choice
 raises or yields; leaving it early (client gone, error) cancels every choice's task, and
@@ -18,23 +19,31 @@ from pdserve.http.errors import ApiError
 _END = object()
 
 
-async def start_all(streams: list[AsyncIterator], started) -> list[AsyncIterator]:
-    """Start choice 0 and wait for its first event (its prompt is computed and, asked with
-    `cache_prompt`, in the prefix cache), then the others together: they reuse its prompt
-    pages instead of each computing the prompt. `started` pulls a stream's first event
-    (admission errors stay HTTP statuses); on any failure every started choice is closed."""
-    first = [await started(streams[0])]
-    tasks = [asyncio.ensure_future(started(s)) for s in streams[1:]]
-    try:
-        return first + list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        ok = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-        for s in first + ok:
-            await s.aclose()
-        raise
+async def start_all(streams: list[AsyncIterator], started,
+                    leaders: list[int] | None = None) -> list[AsyncIterator]:
+    """Start the `leaders` (default: choice 0; with several prompts, each prompt's first
+    choice) together and wait for their first events (their prompts are computed and,
+    asked with `cache_prompt`, in the prefix cache), then the others together: they reuse
+    their leader's prompt pages instead of each computing the prompt. `started` pulls a
+    stream's first event (admission errors stay HTTP statuses); on any failure every
+    started choice is closed."""
+    leaders = [0] if leaders is None else leaders
+    rest = sorted(set(range(len(streams))) - set(leaders))
+    out: list = [None] * len(streams)
+    for wave in (leaders, rest):
+        tasks = [asyncio.ensure_future(started(streams[i])) for i in wave]
+        try:
+            for i, s in zip(wave, await asyncio.gather(*tasks), strict=True):
+                out[i] = s
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            ok = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+            for s in [s for s in out if s is not None] + ok:
+                await s.aclose()
+            raise
+    return out
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator:

@@ -28,16 +28,20 @@ BATCHED = ("batched requests are not supported: send one prompt per request "
 
 
 def is_batched(data: Any) -> bool:
-    """A batched SGLang body: a list body, a list of texts, a list of id lists, or lists
-    of bootstrap rooms/hosts/ports (what SGLang's router sends for a batch)."""
+    """A batched SGLang body: a list body, a list of texts, a list of id lists, lists of
+    bootstrap rooms/hosts/ports (what SGLang's router sends for a batch), or a PD leg
+    (leg fields given) whose completions `prompt` is a list of prompts. Client-facing
+    completions take several prompts (pdserve/http/openai_plan.py); one leg cannot."""
     if isinstance(data, list):
         return True
     if not isinstance(data, dict):
         return False
     ids = data.get("input_ids")
     prompt = data.get("prompt")
+    several = isinstance(prompt, list) and (any(isinstance(p, list) for p in prompt) or (
+        len(prompt) > 1 and isinstance(prompt[0], str)))
     return (isinstance(data.get("text"), list)
-            or (isinstance(prompt, list) and any(isinstance(p, list) for p in prompt))
+            or (several and any(data.get(k) is not None for k in LEG_FIELDS))
             or (isinstance(ids, list) and any(isinstance(x, list) for x in ids))
             or any(isinstance(data.get(k), list) for k in LEG_FIELDS))
 

@@ -34,7 +34,7 @@ def add_tokenize_routes(app: FastAPI, get_tokenizer: TokenizerGetter,
         check_model(body.model)
         tok = await get_tokenizer()
         if body.messages is not None:
-            msgs = [{"role": x.role, "content": x.text()} for x in body.messages]
+            msgs = [x.for_template() for x in body.messages]
             ids = chat_prompt_ids(tok, msgs, body.add_generation_prompt)
         else:
             try:

@@ -1,12 +1,12 @@
 """Builds and loads pdserve's fused CPU kernels (cpu_ops.cpp) as a torch C++ extension.
 
 The extension (cpu_ops.cpp with its bindings; extend_attention.cpp and decode_bf16.cpp, the
-AVX512-BF16 attention kernels; the helpers in vec.h) is
-compiled once per machine, source and torch version, into
-`~/.cache/pdserve/kernels/<hash>/` (`python -m pdserve.kernels` builds it ahead of time;
-scripts/setup.sh does). It needs a C++ compiler and `ninja`; where either is missing or the
-build fails, `load_cpu_ops()` returns None with the reason in `build_error()`, and the model
-runs its torch reference ops instead (pdserve/models/ops.py). `-march=native` is safe because
+AVX512-BF16 attention kernels; the helpers in vec.h) is compiled once per source, torch
+version, CPU kind and checkout, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache`
+by default; `python -m pdserve.kernels` builds it ahead of time, scripts/setup.sh does).
+It needs a C++ compiler and `ninja`; where either is missing or the build fails,
+`load_cpu_ops()` returns None with the reason in `build_error()`, and the model runs its
+torch reference ops instead (pdserve/models/ops.py). `-march=native` is safe because
 the build happens on the machine that runs it.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -27,11 +28,27 @@ SOURCES = sorted(HERE.glob("*.cpp"))  # one extension; the bindings are in cpu_o
 _state: dict[str, object] = {}
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's model and ISA flags: `-march=native` code is only valid where they match
+    (a home directory shared by machines of different kinds)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep).encode()
+
+
 def cache_dir() -> Path:
+    """One build folder per source text, torch version, CPU kind and checkout. The checkout
+    counts because torch writes the sources' paths into build.ninja: two checkouts sharing
+    a folder would rebuild it in turn, and a process killed mid-build leaves torch's lock
+    file behind, on which every later load waits forever."""
     text = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(HERE.glob("*.h"))])
-    key = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
-    base = Path(os.path.expanduser("~/.cache/pdserve/kernels"))
-    return base / key
+    key = hashlib.sha256(text + torch.__version__.encode() + _cpu_flags()
+                         + str(HERE.resolve()).encode()).hexdigest()[:12]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "pdserve" / "kernels" / key
 
 
 def load_cpu_ops(verbose: bool = False) -> ModuleType | None:

@@ -7,6 +7,7 @@ final `usage` chunk when `stream_options.include_usage` is set. All end with `da
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ class RequestSpec:
     model: str
     temperature: float
     ignore_eos: bool
+    json_schema: str | None = None  # structured output: the schema as JSON text
 
 
 def build_payload(spec: RequestSpec, prompt: Prompt) -> dict[str, Any]:
@@ -46,11 +48,16 @@ def build_payload(spec: RequestSpec, prompt: Prompt) -> dict[str, Any]:
         body["sampling_params"] = {"max_new_tokens": prompt.output_len,
                                    "temperature": spec.temperature,
                                    "ignore_eos": spec.ignore_eos}
+        if spec.json_schema is not None:
+            body["sampling_params"]["json_schema"] = spec.json_schema
         body["stream"] = True
         return body
     body = {"model": spec.model, "temperature": spec.temperature, "stream": True,
             "stream_options": {"include_usage": True},
             "ignore_eos": spec.ignore_eos}  # an extra field, as vLLM accepts it
+    if spec.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "bench", "schema": json.loads(spec.json_schema)}}
     if spec.backend == "openai":
         # Token ids when there is no text (no tokenizer): /v1/completions takes them too.
         text_or_ids = prompt.text if prompt.text is not None else list(prompt.ids or ())

@@ -100,6 +100,9 @@ def _load_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction,
                    default=_D.ignore_eos, help="generate exactly the requested output length")
     g.add_argument("--temperature", type=float, default=_D.temperature, help="0: greedy")
+    g.add_argument("--json-schema", default=_D.json_schema, metavar="FILE",
+                   help="constrain every output to this JSON schema (structured output: "
+                        "response_format, or sampling_params.json_schema on /generate)")
 
 
 def _output_flags(g: argparse._ArgumentGroup) -> None:

@@ -7,6 +7,7 @@ here so a bad flag fails before any request is sent, with a message naming the f
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -51,6 +52,7 @@ class BenchConfig:
     seed: int = 0
     ignore_eos: bool = True
     temperature: float = 0.0
+    json_schema: str = ""  # a JSON schema file every request's output must follow
     warmup_requests: int = 1
     goodput: dict[str, float] = field(default_factory=dict)  # SLO name -> milliseconds
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
@@ -149,6 +151,17 @@ class BenchConfig:
             raise ConfigError("--warmup-requests must be >= 0")
         if self.temperature < 0:
             raise ConfigError("--temperature must be >= 0")
+        if self.json_schema:
+            self.schema_text()
+
+    def schema_text(self) -> str | None:
+        """The --json-schema file's schema as compact JSON text (None without one)."""
+        if not self.json_schema:
+            return None
+        try:
+            return json.dumps(json.loads(Path(self.json_schema).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--json-schema {self.json_schema!r}: {exc}") from None
 
     def _check_outputs(self) -> None:
         if self.plot and not self.plot.lower().endswith(".png"):

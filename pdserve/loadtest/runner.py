@@ -89,7 +89,8 @@ async def prepare(cfg: BenchConfig, client: httpx.AsyncClient) -> Setup:
         prompts = build_prompts(cfg, tok)
     except ValueError as exc:
         raise BenchError(str(exc)) from exc
-    spec = RequestSpec(cfg.backend, model, cfg.temperature, cfg.ignore_eos)
+    spec = RequestSpec(cfg.backend, model, cfg.temperature, cfg.ignore_eos,
+                       cfg.schema_text())
     return Setup(prompts, spec, tok, models)
 
 

@@ -49,3 +49,14 @@ def load_tokenizer(path: Path | str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def read_chat_template(path: str) -> str:
+    """A `--chat-template` file's Jinja text (ValueError naming the flag when unusable)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--chat-template {path!r}: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path!r} is empty")
+    return text

@@ -21,7 +21,7 @@ from pdserve.http.errors import ApiError, error_body, error_response, install_er
 from pdserve.http.event_stream import EventStream
 from pdserve.http.logprob_format import TokenText
 from pdserve.http.openai_format import final_response, openai_stream
-from pdserve.http.openai_plan import make_plan, sglang_fields
+from pdserve.http.openai_plan import encode_prompts, make_plan, sglang_fields
 from pdserve.http.protocol import (
     ChatBody,
     CompletionBody,
@@ -170,32 +170,33 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     async def completions(body: CompletionBody, request: Request):
         tok = await gw.tokenizer()
         body.check_common(gw.model_name, gw.cfg.max_n)
-        ids = tok.encode(body.prompt_input())
-        return await _openai(body, ids, request, "text_completion", 16, tok)
+        prompts = encode_prompts(body.prompts(), tok.encode)
+        return await _openai(body, prompts, request, "text_completion", 16, tok)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         tok = await gw.tokenizer()
         body.check_common(gw.model_name, gw.cfg.max_n)
-        ids = tok.chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await _openai(body, ids, request, "chat.completion", tok.default_max_tokens(ids),
-                             tok)
+        ids = tok.chat([m.for_template() for m in body.messages], body.template_tools())
+        return await _openai(body, [ids], request, "chat.completion",
+                             tok.default_max_tokens(ids), tok)
 
-    async def _openai(body, ids: list[int], request: Request, kind: str, default_max: int,
-                      tok):
-        plan = make_plan(body, ids, kind, gw.model_name, default_max, tok.context_length,
-                         gw.cfg.truncate_max_tokens, token_text(tok))
+    async def _openai(body, prompts: list[list[int]], request: Request, kind: str,
+                      default_max: int, tok):
+        plan = make_plan(body, prompts, kind, gw.model_name, default_max, tok.context_length,
+                         gw.cfg.truncate_max_tokens, token_text(tok), gw.cfg.tool_call_parser)
         rid = uuid.uuid4().hex
-        flows = [gw.flow(rid if i == 0 else f"{rid}-{i}", ids, *sglang_fields(sampling))
-                 for i, sampling in enumerate(plan.samplings)]
+        flows = [gw.flow(rid if i == 0 else f"{rid}-{i}", c.ids, *sglang_fields(c.sampling))
+                 for i, c in enumerate(plan.choices)]
+        leaders = set(plan.leaders)
         tasks: list[asyncio.Future] = []
         try:
-            # Choice 0 first: once it has a token its prompt KV sits in the prefill node's
-            # prefix cache, so the other choices (started together) reuse it.
-            await until_disconnected(request, flows[0].start())
-            tasks = [asyncio.ensure_future(f.start()) for f in flows[1:]]
-            if tasks:
-                await until_disconnected(request, asyncio.gather(*tasks))
+            # Each prompt's first choice first: once it has a token its prompt KV sits in
+            # the prefill node's prefix cache, so its other choices (started next) reuse it.
+            for wave in (plan.leaders, [i for i in range(len(flows)) if i not in leaders]):
+                tasks = [asyncio.ensure_future(flows[i].start()) for i in wave]
+                if tasks:
+                    await until_disconnected(request, asyncio.gather(*tasks))
         except BaseException:
             for t in tasks:  # a start still running must not open legs after the close
                 t.cancel()

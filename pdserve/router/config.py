@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from pdserve.flags import add_dataclass_flags, opt, values_from
 from pdserve.http.guard import HttpLimits
+from pdserve.http.tools import PARSERS
+from pdserve.models.tokenizer import read_chat_template
 from pdserve.tokens import read_token_file
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -75,6 +77,11 @@ class RouterConfig:
                                         "for up to this long, then cancel the rest (the "
                                         "chart's grace period follows it)")
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
+    chat_template: str = _opt("", "Jinja chat template file used instead of the model's "
+                                  "(give the nodes the same one)")
+    tool_call_parser: str = _opt("auto", "how chat answers are read for tool calls: the "
+                                         "chat template's family (auto), hermes or "
+                                         "llama3_json", choices=PARSERS)
 
     def __post_init__(self) -> None:
         url = urlsplit(self.registry)
@@ -103,6 +110,10 @@ class RouterConfig:
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("need --balance-abs-threshold >= 0 and --balance-rel-threshold >= 1")
         HttpLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}")
+        if self.chat_template:
+            read_chat_template(self.chat_template)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
 

@@ -51,6 +51,8 @@ def continuation(ids: list[int], sampling: dict, sent: Event) -> tuple[list[int]
     k = len(sent.output_ids)
     rest = dict(sampling)
     rest["max_new_tokens"] = int(sampling["max_new_tokens"]) - k
+    # The sent tokens become prompt: the grammar, penalties and min tokens still count them.
+    rest["resumed_outputs"] = int(sampling.get("resumed_outputs", 0)) + k
     if sampling.get("seed") is not None:
         rest["seed"] = (int(sampling["seed"]) * 1_000_003 + k) & SEED_MASK
     return ids + list(sent.output_ids), rest

@@ -20,13 +20,15 @@ FALLBACK_CONTEXT = 2048  # a config.json without max_position_embeddings
 
 
 class RouterTokenizer:
-    def __init__(self, model: str, cache_dir: str = "") -> None:
+    def __init__(self, model: str, cache_dir: str = "", chat_template: str = "") -> None:
         from pdserve.models.builtin import resolve_model
-        from pdserve.models.tokenizer import load_tokenizer
+        from pdserve.models.tokenizer import load_tokenizer, read_chat_template
 
         path = resolve_model(model, cache_dir)
         self.model = model
         self.tok = load_tokenizer(path)
+        if chat_template:  # --chat-template: the nodes are given the same file
+            self.tok.chat_template = read_chat_template(chat_template)
         config = json.loads((path / "config.json").read_text())
         self.context_length = int(config.get("max_position_embeddings") or FALLBACK_CONTEXT)
         self.vocab_size = int(config.get("vocab_size") or len(self.tok))  # what nodes check
@@ -41,8 +43,8 @@ class RouterTokenizer:
         self.check(ids)
         return ids
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        ids = chat_prompt_ids(self.tok, messages)
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        ids = chat_prompt_ids(self.tok, messages, tools=tools)
         self.check(ids)
         return ids
 

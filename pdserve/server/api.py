@@ -14,7 +14,7 @@ from pdserve.http.errors import ApiError, error_body, error_response, install_er
 from pdserve.http.event_stream import EventStream
 from pdserve.http.logprob_format import TokenText, sglang_meta
 from pdserve.http.openai_format import final_response, openai_stream
-from pdserve.http.openai_plan import make_plan
+from pdserve.http.openai_plan import encode_prompts, make_plan
 from pdserve.http.protocol import (
     ChatBody,
     CompletionBody,
@@ -108,38 +108,36 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         body.check_common(model, front.cfg.max_n)
-        ids = front.encode(body.prompt_input())
-        return await _openai(body, ids, request, "text_completion")
+        prompts = encode_prompts(body.prompts(), front.encode)
+        return await _openai(body, prompts, request, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         body.check_common(model, front.cfg.max_n)
-        msgs = [{"role": x.role, "content": x.text()} for x in body.messages]
-        ids = chat_prompt_ids(front.tokenizer, msgs)
+        msgs = [x.for_template() for x in body.messages]
+        ids = chat_prompt_ids(front.tokenizer, msgs, tools=body.template_tools())
         front.check_ids(ids)
-        return await _openai(body, ids, request, "chat.completion")
+        return await _openai(body, [ids], request, "chat.completion")
 
-    async def _openai(body, ids: list[int], request: Request, kind: str):
-        default = 16 if kind == "text_completion" else front.default_max_tokens(ids)
-        plan = make_plan(body, ids, kind, model, default, front.context_length,
-                         front.cfg.truncate_max_tokens, token_text)
+    async def _openai(body, prompts: list[list[int]], request: Request, kind: str):
+        default = 16 if kind == "text_completion" else front.default_max_tokens(prompts[0])
+        plan = make_plan(body, prompts, kind, model, default, front.context_length,
+                         front.cfg.truncate_max_tokens, token_text, front.cfg.tool_call_parser)
         # A PD leg sent by SGLang's router: its bootstrap fields ride on OpenAI bodies too.
-        # One leg is one request (one bootstrap room): its n choices cannot share it.
+        # One leg is one request (one bootstrap room): several choices cannot share it.
         extra = await front.resolve_extra(body.leg_fields())
-        if extra and len(plan.samplings) > 1:
-            raise ApiError(400, "n > 1 is not supported on a prefill/decode leg: the router "
-                                "sends each choice as its own request")
+        if extra and len(plan.choices) > 1:
+            raise ApiError(400, "several prompts or n > 1 are not supported on a "
+                                "prefill/decode leg: the router sends each prompt and "
+                                "choice as its own request")
+        runs = [front.run(c.ids, c.sampling, extra=extra,
+                          disconnected=request.is_disconnected) for c in plan.choices]
+        if body.stream or len(runs) > 1:
+            runs = await start_all(runs, _started, plan.leaders)
         if body.stream:
-            streams = await start_all([front.run(ids, sp, extra=extra,
-                                                 disconnected=request.is_disconnected)
-                                       for sp in plan.samplings], _started)
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(openai_stream(merge(streams), plan.shape, usage))
-        streams = [front.run(ids, sp, extra=extra, disconnected=request.is_disconnected)
-                   for sp in plan.samplings]
-        if len(streams) > 1:
-            streams = await start_all(streams, _started)
-        lasts = await last_events(streams)
+            return EventStream(openai_stream(merge(runs), plan.shape, usage))
+        lasts = await last_events(runs)
         if any(ev is None for ev in lasts):
             return error_response(499, "client disconnected")
         return final_response(plan.shape, lasts)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pdserve.config import EngineConfig
 from pdserve.disagg.config import PDConfig
 from pdserve.http.guard import HttpLimits
+from pdserve.http.tools import PARSERS
+from pdserve.models.tokenizer import read_chat_template
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class ServerConfig:
     # A scheduler loop iteration stuck this long dumps the stacks and exits (0: off).
     watchdog_timeout_s: float = 300.0
     log_level: str = "info"
+    chat_template: str = ""  # a Jinja file used instead of the model's chat template
+    tool_call_parser: str = "auto"  # pdserve.http.tools.PARSERS
     role: str = "colocated"  # colocated | prefill | decode
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
 
@@ -71,6 +75,12 @@ class ServerConfig:
                             "so /livez fails and the node is restarted (0: off)")
         g.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
+        g.add_argument("--chat-template", default="",
+                       help="Jinja chat template file used instead of the model's (a router "
+                            "in front needs the same one)")
+        g.add_argument("--tool-call-parser", default="auto", choices=PARSERS,
+                       help="how chat answers are read for tool calls: the chat template's "
+                            "family (auto), hermes or llama3_json")
         EngineConfig.add_cli_args(p)
 
     @classmethod
@@ -84,6 +94,8 @@ class ServerConfig:
             raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
         if args.watchdog_timeout_s < 0:
             raise ValueError(f"--watchdog-timeout-s must be >= 0, got {args.watchdog_timeout_s}")
+        if args.chat_template:
+            read_chat_template(args.chat_template)  # a bad file fails here, not per request
         return cls(
             engine=EngineConfig.from_cli(args), host=args.host, port=args.port,
             served_model_name=args.served_model_name,
@@ -93,5 +105,6 @@ class ServerConfig:
             header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
             max_connections=args.max_connections, max_n=args.max_n,
             watchdog_timeout_s=args.watchdog_timeout_s, log_level=args.log_level, role=role,
+            chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
             pd=PDConfig.from_cli(args) if role != "colocated" else None,
         )

@@ -125,9 +125,11 @@ class Frontend:
                 if u is None:  # client went away
                     return
                 if u.error:
-                    # A prefill node's failure is not this node's: 503 with its code.
+                    # A prefill node's failure is not this node's: 503 with its code. A
+                    # grammar that does not compile is the client's: 400.
                     status = 503 if u.error_code in ("prefill_failed", "node_failed") or \
                         u.finish_reason != "error" else 500
+                    status = 400 if u.error_code == "invalid_grammar" else status
                     raise ApiError(status, u.error, u.error_code)
                 now = time.perf_counter()
                 if u.new_ids:

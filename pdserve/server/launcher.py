@@ -111,7 +111,7 @@ def _bootstrap_socket(cfg):
 
 
 async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -> int:
-    from pdserve.models.tokenizer import load_tokenizer
+    from pdserve.models.tokenizer import load_tokenizer, read_chat_template
 
     ctx = zmq.asyncio.Context()
     client = EngineClient(ctx, to_sched, from_sched, proc)
@@ -127,6 +127,8 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
         await client.close()
         ctx.term()
         return 1
+    if cfg.chat_template:  # --chat-template replaces the model's (read at start-up)
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
     client.start()
     front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
     # Accept connections from here on (they wait in the backlog until uvicorn runs): a

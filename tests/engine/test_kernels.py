@@ -148,3 +148,19 @@ def float32_or_native_bf16(native, dtype) -> bool:
                                       and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+
+
+def test_kernel_cache_is_per_checkout_cpu_and_cache_home(monkeypatch, tmp_path):
+    """Two checkouts must not share a build folder (torch writes source paths into it and
+    would rebuild it in turn), nor two CPU kinds (-march=native)."""
+    import pdserve.kernels as k
+
+    here = k.cache_dir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert k.cache_dir().parent == tmp_path / "pdserve" / "kernels"
+    assert k.cache_dir().name == here.name
+    monkeypatch.setattr(k, "HERE", tmp_path)  # another checkout of the same sources
+    other = k.cache_dir().name
+    assert other != here.name
+    monkeypatch.setattr(k, "_cpu_flags", lambda: b"flags: avx2")
+    assert k.cache_dir().name not in (here.name, other)

@@ -51,9 +51,11 @@ def test_batched_generate_bodies_are_a_clear_400(body):
     assert e.value.status == 400 and "batched requests are not supported" in e.value.message
 
 
-def test_batched_completion_prompts_are_a_clear_400():
+def test_batched_completion_prompts_on_a_leg_are_a_clear_400():
+    """A client's batch of prompts is served; on a PD leg (one bootstrap room) it cannot be."""
+    CompletionBody.model_validate({"model": "m", "prompt": [[1, 2], [3]]})
     with pytest.raises(ApiError, match="batched"):
-        CompletionBody.model_validate({"model": "m", "prompt": [[1, 2], [3]]})
+        CompletionBody.model_validate({"model": "m", "prompt": [[1, 2], [3]], **LEG})
 
 
 @pytest.mark.parametrize("flag", ["return_hidden_states", "return_entropy", "background"])
@@ -107,3 +109,16 @@ def test_bootstrap_port_flag_is_refused_on_decode_and_when_taken():
                   "--transfer-backend", "tcp")
     assert r.returncode != 0 and "already in use" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_sglang_router_defaults_are_accepted_other_values_named():
+    """SGLang's router sends its own extensions on every OpenAI body; at their defaults they
+    ask for nothing, another value asks for a feature pdserve lacks (a 400 naming it)."""
+    sent = {"no_stop_trim": False, "skip_special_tokens": True, "separate_reasoning": True,
+            "stream_reasoning": True, "continue_final_message": False,
+            "return_hidden_states": False, "lora_path": None}
+    ChatBody.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                             **sent, **LEG})
+    with pytest.raises(ApiError, match="skip_special_tokens"):
+        CompletionBody.model_validate({"model": "m", "prompt": "a",
+                                       "skip_special_tokens": False})

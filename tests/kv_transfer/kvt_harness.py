@@ -61,6 +61,7 @@ class _Node:
     released: set[int] = field(default_factory=set)
     active: dict[int, Any] = field(default_factory=dict)  # handles not yet terminal
     history: dict[int, list[int]] = field(default_factory=dict)  # distinct polled states
+    tails: dict[int, Any] = field(default_factory=dict)  # pause_in_write: room -> the tail
 
 
 def _make_pools(role: str, seed: int, num_pages: int, layout: dict[str, int],
@@ -231,6 +232,11 @@ def _handle(node: _Node, name: str, args: tuple[Any, ...]) -> Any:
         return _raw_write(node, *args)
     if name == "pause_in_write":
         return _pause_in_write(node, args[0])
+    if name == "tail_rc":  # the rc of a paused batch's second half, None until it returned
+        return node.tails.get(args[0], {}).get("rc")
+    if name == "rewrite_tail":  # the same tail again, straight into the backend
+        tail = node.tails[args[0]]
+        return node.managers["main"].backend.write(tail["session"], tail["entries"], args[0])
     if name == "fill_pages":
         return _fill_pages(node.pools["main"], args[0], args[1])
     if name == "pages_filled":
@@ -266,8 +272,14 @@ def _pause_in_write(node: _Node, room: int) -> None:
         parts = [Entries(entries.src[a:b], entries.dst[a:b], entries.lens[a:b])
                  for a, b in ((0, half), (half, len(entries)))]
         rc = real(session, parts[0], room_)
+        node.tails[room] = {"session": session, "entries": parts[1], "rc": None}
         os.kill(os.getpid(), signal.SIGSTOP)
-        return rc or real(session, parts[1], room_)
+        # The group stop may reach this thread only after kill() returned: without the
+        # sleep the tail could leave before the process stops (no pause inside the batch).
+        time.sleep(0.5)
+        rc = rc or real(session, parts[1], room_)
+        node.tails[room]["rc"] = rc
+        return rc
 
     backend.write = write
 

@@ -20,6 +20,9 @@ import pytest
 from kvt_helpers import FAILED, launch, make_room
 from kvt_pair import FAST, Pair, start_nodes
 
+from kv_transfer.backends.tcp import RC_PEER_DEAD
+from kv_transfer.lease import RC_FENCED
+
 pytestmark = pytest.mark.timeout(150)
 REUSED = 0xAB
 LEASE_AND_MARGIN_S = 0.75 * FAST["heartbeat_interval_s"] * FAST["heartbeat_misses"]
@@ -114,8 +117,17 @@ def test_tcp_receiver_fence_frees_at_once_and_refuses_the_tail():
         assert pair.decode.call("metrics")["quarantined_pages"] == 0
         pair.decode.call("fill_pages", dst, REUSED)
         os.kill(pair.prefill.proc.pid, signal.SIGCONT)
-        wait_for(lambda: pair.decode.call("metrics")["fenced_writes"] >= 1, 30,
-                 "the tail to be refused")
+        # On waking, the prefill's control thread may declare the silent decode dead before
+        # the tail's ack arrives (RC_PEER_DEAD: the frames may never leave); otherwise the
+        # fence refuses the tail. Either way nothing is written and the write is not "ok".
+        wait_for(lambda: pair.prefill.call("tail_rc", rid) is not None, 30,
+                 "the tail to return")
+        rc = pair.prefill.call("tail_rc", rid)
+        assert rc in (RC_FENCED, RC_PEER_DEAD), rc
+        # The same tail sent again, now that the prefill is awake, reaches the receiver:
+        # the fence refuses it and counts it.
+        assert pair.prefill.call("rewrite_tail", rid) == RC_FENCED
+        assert pair.decode.call("metrics")["fenced_writes"] >= 1
         assert pair.decode.call("pages_filled", dst, REUSED), "a late write landed"
     finally:
         close(pair)

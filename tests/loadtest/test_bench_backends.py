@@ -34,6 +34,26 @@ def test_openai_payloads() -> None:
     assert chat["max_completion_tokens"] == 8 and chat["ignore_eos"] is False
 
 
+def test_json_schema_payloads(tmp_path) -> None:
+    import json
+
+    import pytest
+
+    from pdserve.loadtest.config import BenchConfig, ConfigError
+
+    schema = '{"type": "object"}'
+    gen = build_payload(RequestSpec("generate", "m", 0.0, True, schema), PROMPT)
+    assert gen["sampling_params"]["json_schema"] == schema
+    chat = build_payload(RequestSpec("openai-chat", "m", 0.0, True, schema), PROMPT)
+    assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"type": "array", "items": {"type": "integer"}}))
+    assert json.loads(BenchConfig(json_schema=str(f)).schema_text())["type"] == "array"
+    f.write_text("{not json")
+    with pytest.raises(ConfigError, match="--json-schema"):
+        BenchConfig(json_schema=str(f)).validate()
+
+
 def test_parse_sse_line() -> None:
     assert parse_sse_line("data: [DONE]") == DONE
     assert parse_sse_line('data: {"a": 1}') == {"a": 1}

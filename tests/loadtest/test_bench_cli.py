@@ -18,7 +18,7 @@ FLAGS = ("--base-url", "--backend", "--dataset-name", "--dataset-path", "--num-p
          "--plot", "--sweep-rates", "--tokenizer", "--model", "--endpoint",
          "--request-timeout", "--temperature", "--sharegpt-output-len", "--gsp-num-groups",
          "--gsp-system-prompt-len", "--gsp-question-len", "--gsp-output-len",
-         "--save-detailed", "--disable-tqdm")
+         "--save-detailed", "--disable-tqdm", "--json-schema")
 
 
 def parse(*argv: str) -> BenchConfig:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from hf_reference import hf_greedy, hf_model
 
 import pdserve.engine.engine as engine_mod
 from decode_node.role import DecodeRole
@@ -128,31 +129,6 @@ def colocated_greedy(model: str, prompts, n: int) -> list[list[int]]:
     return [list(_REF[(model, tuple(p), n)]) for p in prompts]
 
 
-@functools.cache
-def _hf_model(model: str):
-    from transformers import AutoModelForCausalLM
-
-    from pdserve.models.builtin import resolve_model
-
-    return AutoModelForCausalLM.from_pretrained(resolve_model(model),
-                                                dtype=torch.float32).eval()
-
-
-@functools.cache
-def hf_greedy(model: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """transformers `generate`, greedy, fp32, no padding, EOS ignored."""
-    m = _hf_model(model)
-    saved, m.generation_config.eos_token_id = m.generation_config.eos_token_id, None
-    try:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=n, pad_token_id=0)
-    finally:
-        m.generation_config.eos_token_id = saved
-    return tuple(out[0, len(prompt):].tolist())
-
-
 def close_references() -> None:
     for llm in _LLMS.values():
         llm.close()
@@ -161,7 +137,7 @@ def close_references() -> None:
     _loaded.cache_clear()
     _tokenizer.cache_clear()
     hf_greedy.cache_clear()
-    _hf_model.cache_clear()
+    hf_model.cache_clear()
 
 
 # -- prompts ------------------------------------------------------------------------------

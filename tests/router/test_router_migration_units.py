@@ -36,6 +36,11 @@ def test_continuation_moves_sent_tokens_into_the_prompt():
     _, seeded = continuation([1], {"max_new_tokens": 10, "seed": 5}, sent)
     _, seeded2 = continuation([1], {"max_new_tokens": 10, "seed": 5}, sent)
     assert seeded["seed"] == seeded2["seed"] != 5  # reproducible for one failure point
+    # The grammar and penalties of the continuation count the sent tokens as output. A
+    # second migration starts again from the original request with every token sent.
+    assert sp["resumed_outputs"] == 3
+    _, again = continuation([1, 2], {"max_new_tokens": 10}, _event([11, 12, 13, 14]))
+    assert again["resumed_outputs"] == 4
 
 
 def test_only_the_decode_nodes_own_server_failures_migrate():

@@ -44,6 +44,8 @@ def runs(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         "port of the node": serve_cmd(port=server.port),
         "port of another program": serve_cmd(port=other),
         "unknown model": serve_cmd(port=free_port(), model=str(missing)),
+        "missing chat template": serve_cmd("--chat-template", str(missing) + ".jinja",
+                                           port=free_port()),
     }
     started = {name: Run(cmd) for name, cmd in cases.items()}
     try:
@@ -79,3 +81,7 @@ def test_port_taken_by_another_program_is_a_cli_error(runs):
 
 def test_unknown_model_is_a_cli_error(runs):
     assert_clean_failure(runs["unknown model"], "no-such-model")
+
+
+def test_missing_chat_template_is_a_cli_error(runs):
+    assert_clean_failure(runs["missing chat template"], "--chat-template", "no-such-model.jinja")

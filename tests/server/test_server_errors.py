@@ -172,9 +172,11 @@ def test_bad_token_ids_are_400(server):
     assert_error(post(server, "/v1/completions", {**COMPLETION, "prompt": ""}), 400, "empty")
 
 
-def test_several_prompts_are_400(server):
-    body = {**COMPLETION, "prompt": ["one", "two"]}
-    assert_error(post(server, "/v1/completions", body), 400, "one prompt")
+def test_mixed_or_too_many_prompts_are_400(server):
+    """Several prompts are fine (test_server_batched.py), but not mixed forms or >1024."""
+    for prompt in (["one", [1, 2]], [[1, 2], "two"], ["x"] * 1025):
+        assert_error(post(server, "/v1/completions", {**COMPLETION, "prompt": prompt}), 400,
+                     "prompt")
 
 
 def test_unknown_route_and_wrong_method_are_openai_shaped(server):
