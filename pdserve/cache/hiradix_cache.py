@@ -232,41 +232,6 @@ class HiRadixCache(RadixCache):
         self.stats["host_hit_tokens"] += m.host_pages * self.page_size
         return dev, op
 
-    def fetch_from_storage(self, tokens: list[int], m: Match) -> int:
-        """Read the pages past match `m` that the storage tier holds into new host-only
-        nodes under `m.host_node` (synchronously, each object checked); returns how many.
-        `load_back` of a fresh match then brings them to the device like any host hit."""
-        node, ps = m.host_node, self.page_size
-        if self.store is None or (node is not self.root and node.host is None):
-            return 0  # host copies go top-down (see the invariants)
-        start, total = len(m.device_pages) + m.host_pages, len(tokens) // ps
-        least = max(1, self.load_threshold_pages)
-        if total - start < least or self._first(tokens[start * ps:]) in node.children:
-            return 0
-        keys = self.store.keys(tokens, total)[start:]
-        n = self.store.available(keys)
-        if n < least:
-            return 0
-        self.lock(node)  # host eviction must not take the path we attach to
-        try:
-            if self.host_alloc.num_free < n:
-                self.evict_host(n - self.host_alloc.num_free)
-            host = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
-            if not host:
-                return 0
-            ok = self.store.load(keys[:len(host)], host)
-            self.host_alloc.free(host[ok:])
-            if not ok:
-                return 0
-            new = HiNode(tuple(tokens[start * ps:(start + ok) * ps]), [], node)
-            new.host = host[:ok]
-            node.children[self._first(new.key)] = new
-            self.host_total_pages += ok
-            self.stats["storage_hit_tokens"] += ok * ps
-            return ok
-        finally:
-            self.unlock(node)
-
     def _path_tokens(self, node: Node) -> list[int]:
         """The token ids from the root to the end of `node`."""
         parts = []

@@ -209,7 +209,7 @@ Storage = FileStorage | MooncakeStorage
 
 class PageStore:
     """Host pages <-> storage objects, with the counters `/metrics` shows. `save` runs on the
-    HiCache copy thread, `load` on the scheduler thread."""
+    HiCache copy thread, `available` and `load` on the storage prefetch thread."""
 
     def __init__(self, storage: Storage, host: HostKVPool, identity: str) -> None:
         self.storage, self.host, self.identity = storage, host, identity

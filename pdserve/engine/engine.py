@@ -208,8 +208,7 @@ class Engine:
 
     def flush_cache(self) -> None:
         """Drop every unlocked prefix from the cache (in-use prefixes stay)."""
-        if self.kv.cache is not None:
-            self.kv.cache.reset()
+        self.kv.flush()
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
@@ -339,6 +338,7 @@ class Engine:
         self.executor.close()
         if self.tp is not None:
             self.tp.close()
+        self.kv.close()  # storage reads land before the tiers go
         if self.hicache is not None:
             self.hicache.close()
         if self.page_store is not None:  # after the copy thread: it may still be writing

@@ -15,6 +15,7 @@ from pdserve.cache.hicache_controller import HiCacheController
 from pdserve.cache.hiradix_cache import HiRadixCache
 from pdserve.cache.kv_storage import PageStore
 from pdserve.cache.radix_cache import RadixCache
+from pdserve.cache.storage_prefetch import StoragePrefetcher
 from pdserve.engine.request import Req
 from pdserve.memory.host_pool import HostKVPool
 from pdserve.memory.kv_pool import KVPool
@@ -37,6 +38,8 @@ class KVManager:
         elif use_cache:
             self.cache = RadixCache(self.page_size, self.alloc.free)
         self.hi = self.cache if isinstance(self.cache, HiRadixCache) else None
+        # Reads from the storage tier for waiting requests (None: no storage tier).
+        self.prefetcher = StoragePrefetcher(self.hi) if self.hi and store else None
 
     # -- capacity -------------------------------------------------------------
     @property
@@ -67,8 +70,7 @@ class KVManager:
         if self.cache is not None:
             # Keep at least one token to compute: its logits give the next token.
             # Prompt logprobs need every prompt position's logits: reuse nothing then.
-            usable = 0 if req.wants_prompt_logprobs() else len(req.fill_ids) - 1
-            prefix = req.fill_ids[:usable]
+            prefix = self._reusable(req)
             if self.hi is not None:
                 pages, node = self._match_and_load(req, prefix)
             else:
@@ -80,6 +82,22 @@ class KVManager:
                 req.cached_tokens = req.cached_len
             self.req_pool.write(slot, 0, self.kv.slots_of(req.pages, 0, req.kv_len))
         return True
+
+    @staticmethod
+    def _reusable(req: Req) -> list[int]:
+        """The prompt positions whose KV may come from a cache. At least one token is
+        computed (its logits give the next token); prompt logprobs need every position's
+        logits, so nothing is reused then."""
+        return [] if req.wants_prompt_logprobs() else req.fill_ids[:len(req.fill_ids) - 1]
+
+    def prefetched(self, req: Req) -> bool:
+        """False while a storage read for `req`'s prefix is under way: it stays queued
+        (pdserve/cache/storage_prefetch.py). The first call starts the read."""
+        if self.prefetcher is None:
+            return True
+        if req.prefetch is None:
+            req.prefetch = self.prefetcher.start(self._reusable(req)) or True
+        return req.prefetch is True or req.prefetch.done
 
     def preallocate(self, req: Req, new_len: int) -> bool:
         """`admit` plus pages for positions up to `new_len`, all or nothing: the decode
@@ -95,8 +113,6 @@ class KVManager:
         """HiCache admission: device hit plus, when worth it and the device has room, the
         host-only part loaded back (asynchronously; the batch waits per layer)."""
         m = self.hi.match(prefix)
-        if self.hi.fetch_from_storage(prefix, m):  # storage pages are host pages now
-            m = self.hi.match(prefix, count=False)
         pages, node = list(m.device_pages), m.device_node
         if m.load_op:  # part of the device hit is still being loaded (for another request)
             req.load_op, req.load_pages = m.load_op, m.loading
@@ -110,13 +126,20 @@ class KVManager:
         return pages, node
 
     def check_acks(self) -> None:
-        """Acknowledge finished HiCache copies (unlocks their nodes); once per step."""
+        """Acknowledge finished HiCache copies (unlocks their nodes) and advance storage
+        prefetches; once per step."""
         if self.hi is not None:
             self.hi.check_acks()
+        if self.prefetcher is not None:
+            self.prefetcher.poll()
 
     def wait_for_copy(self, timeout: float) -> bool:
-        """Nothing can run until a HiCache copy unlocks its pages: wait (GIL released) up to
-        `timeout` s for the oldest one. False, at once, when no copy is pending."""
+        """Nothing can run until a HiCache copy unlocks its pages or a storage prefetch
+        lands: wait (GIL released) up to `timeout` s for one. False, at once, when none is
+        pending."""
+        if self.prefetcher is not None and self.prefetcher.pending:
+            self.prefetcher.wait(timeout)
+            return True
         if self.hi is None or not self.hi.has_pending:
             return False
         self.hi.wait_oldest(timeout)
@@ -225,7 +248,10 @@ class KVManager:
         return out
 
     def drain_copies(self) -> None:
-        """Wait for every submitted HiCache copy and acknowledge it (idle engine only)."""
+        """Wait for every storage prefetch and submitted HiCache copy, and acknowledge them
+        (idle engine only)."""
+        if self.prefetcher is not None:
+            self.prefetcher.drain()
         if self.hi is not None:
             self.ctrl.wait(self.ctrl.last_op)
             self.hi.check_acks()
@@ -235,4 +261,16 @@ class KVManager:
         return (s["free_pages"] + s["evictable_pages"] == s["total_pages"]
                 and s["free_slots"] == s["total_slots"]
                 and (self.cache is None or self.cache.locked_pages == 0)
-                and (self.hi is None or not self.hi.has_pending))
+                and (self.hi is None or not self.hi.has_pending)
+                and (self.prefetcher is None or not self.prefetcher.pending))
+
+    def flush(self) -> None:
+        """Drop every unlocked prefix from the cache, once storage reads have landed."""
+        if self.prefetcher is not None:
+            self.prefetcher.drain()
+        if self.cache is not None:
+            self.cache.reset()
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()

@@ -21,6 +21,7 @@ from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the roles own these types; the engine only carries them
     from decode_node.state import DecodeState
+    from pdserve.cache.storage_prefetch import Prefetch
     from pdserve.engine.grammar import RequestGrammar
     from prefill_node.state import PrefillState
 
@@ -59,6 +60,9 @@ class Req:
         self.retractions = 0
         self.text = ""
         self.generator: torch.Generator | None = None
+        # Storage read of its prefix: None (not looked at), True (nothing to read) or the
+        # Prefetch the admission waits for (pdserve/cache/storage_prefetch.py).
+        self.prefetch: Prefetch | bool | None = None
         self.grammar: RequestGrammar | None = None  # structured output (pdserve.engine.grammar)
         # Logprobs (docs/architecture.md: Logprobs), only when asked: one entry per output
         # token (None for a first token computed elsewhere: the PD decode node), and one per

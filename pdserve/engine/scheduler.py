@@ -201,6 +201,8 @@ class Scheduler:
                 break
             if req.slot is None:
                 req.prepare_fill()
+                if not self.kv.prefetched(req):  # its prefix is being read from storage
+                    break
                 if not self.kv.admit(req):
                     break
             row = self._extend_row(req, min(budget, chunk))

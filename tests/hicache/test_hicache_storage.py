@@ -17,6 +17,7 @@ from hicache_helpers import PS, Tiers, tokens
 
 from pdserve import LLM, SamplingParams
 from pdserve.cache.kv_storage import FileStorage, PageStore, page_keys
+from pdserve.cache.storage_prefetch import StoragePrefetcher
 
 
 def objects(root: Path) -> list[Path]:
@@ -78,9 +79,11 @@ def written_by_a_first_node(root: Path, toks: list[int], seed: int) -> list[torc
 
 
 def fetched(t: Tiers, toks: list[int]) -> tuple[int, list[torch.Tensor] | None]:
-    """A second node's admission: match, read storage, load to the device."""
-    m = t.cache.match(toks)
-    n = t.cache.fetch_from_storage(toks, m)
+    """A second node's admission: a storage prefetch, then match and load to the device."""
+    pre = StoragePrefetcher(t.cache)
+    op = pre.start(toks)
+    pre.close()
+    n = op.pages if op is not None else 0
     if not n:
         return 0, None
     m = t.cache.match(toks, count=False)
@@ -166,7 +169,88 @@ def test_fetch_stops_where_the_host_tier_is_full(tmp_path):
         p2.close()
 
 
+def test_one_prefetch_per_continuation_and_a_branch_computed_meanwhile_wins(tmp_path):
+    """Two requests with one continuation share a read, which holds the node it hangs under;
+    when the same pages get computed (and inserted) while the read is under way, the read's
+    host pages go back to the pool, and nothing stays locked."""
+    toks = tokens(5, seed=6)
+    written_by_a_first_node(tmp_path, toks, seed=3)
+    p2, s2 = with_store(tmp_path)
+    try:
+        computed(p2, toks[:2 * PS], seed=3)  # the first two pages are cached here already
+        pre = StoragePrefetcher(p2.cache)
+        op = pre.start(toks)
+        assert op is not None and pre.start(toks + [1, 2, 3, 4]) is op
+        assert op.start == 2 and op.node.lock_ref == 1
+        pages = p2.alloc(3)  # the same three pages arrive by a prefill meanwhile
+        p2.fill(pages, seed=9)
+        assert p2.cache.insert_dups(toks, p2.cache.match(toks).device_pages + pages) == [0, 1]
+        pre.close()
+        p2.settle()  # the inserted branch's backup holds its path until acknowledged
+        assert op.done and op.pages == 0 and s2.stats["storage_hit_pages"] == 3
+        assert op.node.lock_ref == 0 and p2.cache.locked_pages == 0
+        assert pre.start(toks) is None  # all on the device now: nothing to read
+        p2.identities()
+        p2.assert_full_after_reset()
+    finally:
+        p2.close()
+
+
 MODEL = "tiny-llama"
+
+
+def test_decode_goes_on_while_a_storage_read_is_slow(tmp_path):
+    """The storage read of a waiting request's prefix runs off the scheduler thread: a
+    request already decoding keeps getting tokens while the read is held up, the waiting
+    one is admitted once its pages land, and both outputs equal transformers'."""
+    import threading
+
+    rng = random.Random(12)
+    ids = [rng.randrange(100, 30000) for _ in range(160)]
+    other = [rng.randrange(100, 30000) for _ in range(20)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(max_total_tokens=1024, enable_hierarchical_cache=True,
+              hicache_storage_backend="file", hicache_storage_path=str(tmp_path))
+    llm = LLM(MODEL, **kw)
+    try:
+        llm.generate([ids], params)
+        llm.engine.kv.drain_copies()
+    finally:
+        llm.close()
+    llm = LLM(MODEL, **kw)
+    try:
+        eng = llm.engine
+        storage = eng.page_store.storage
+        release = threading.Event()
+        real_get = storage.get
+
+        def slow_get(key):  # a storage server that answers only when the test says so
+            release.wait(60)
+            return real_get(key)
+
+        storage.get = slow_get
+        a = eng.add_request("a", other, SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                       ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        b = eng.add_request("b", ids, params)
+        deadline = time.monotonic() + 60
+        while len(a.output_ids) < 12 and time.monotonic() < deadline:
+            eng.step()
+        assert len(a.output_ids) >= 12  # the scheduler did not block on the read
+        assert b.slot is None and not b.output_ids and not b.prefetch.done
+        release.set()
+        while eng.has_work() and time.monotonic() < deadline:
+            eng.step()
+        eng.loop.drain()
+        assert b.cached_tokens == (len(ids) - 1) // eng.cfg.page_size * eng.cfg.page_size
+        assert tuple(b.output_ids) == hf_greedy(MODEL, tuple(ids), 6)
+        assert tuple(a.output_ids) == hf_greedy(MODEL, tuple(other), 40)
+        eng.kv.drain_copies()
+        eng.flush_cache()
+        assert eng.pools_full()
+    finally:
+        llm.close()
 
 
 def test_engine_storage_hits_match_transformers(tmp_path):

@@ -48,31 +48,48 @@ def test_second_prefill_node_hits_what_the_first_wrote(tmp_path):
         up.stop()
 
 
-def test_up_starts_and_stops_a_mooncake_master_for_the_prefill_nodes(tmp_path):
-    import time
+def test_with_mooncake_a_live_prefill_node_hits_what_the_other_computed(tmp_path):
+    """`up --hicache-storage-backend mooncake` starts a mooncake_master for the prefill
+    nodes (and stops it); with prefix affinity off (`--prefix-pages 0`) the same prompt
+    lands on the other prefill node, which reads the pages the first one put into the
+    store, from that node's memory segment, while it lives."""
+    import psutil
 
-    from pdserve.cache.kv_storage import MooncakeStorage
-    from pdserve.stack.config import StackConfig
-    from pdserve.stack.stack import Stack
-
-    cfg = StackConfig(model=MODEL, prefill=1, decode=1, hicache_storage_backend="mooncake",
-                      log_dir=str(tmp_path), transfer_backend="tcp")
-    stack = Stack(cfg, say=lambda *_: None)
+    up = Up(tmp_path, 2, 1, "--hicache-storage-backend", "mooncake",
+            "--router-args", "--prefix-pages 0").start()
     try:
-        stack._start_kv_store(time.monotonic() + 60)
-        pre = stack._node("prefill-0", "prefill", 1).child.cmd
-        dec = stack._node("decode-0", "decode", 2).child.cmd
-        assert "--hicache-storage-backend" in pre and "--hicache-storage-backend" not in dec
-        master = pre[pre.index("--hicache-mooncake-master") + 1]
-        url = pre[pre.index("--hicache-mooncake-metadata-url") + 1]
-        st = MooncakeStorage(master, url, "127.0.0.1", 16, "tcp")
-        try:
-            wait_until(lambda: st.up, 60, "a client to connect to the stack's master")
-            st.put("k", b"v" * 100)
-            assert st.get("k") == b"v" * 100
-        finally:
-            st.close()
-        (member,) = [m for m in stack.members if m.name == "kv-store"]
+        kv_store_url = up.urls["kv-store"]
+        assert "--hicache-storage-backend" not in " ".join(
+            psutil.Process(up.pids["decode-0"]).cmdline())
+        for name in ("prefill-0", "prefill-1"):
+            wait_until(lambda n=name: storage(up.urls[n]).get("storage_up") == 1, 120,
+                       f"{name} to connect to the stack's mooncake_master")
+        rng = random.Random(6)
+        ids = [rng.randrange(100, 30000) for _ in range(300)]
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                      "ignore_eos": True}}
+        want = list(hf_greedy(MODEL, tuple(ids), 6))
+        first = httpx.post(f"{up.router}/generate", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        assert first.json()["output_ids"] == want
+        p1 = first.headers["x-pdserve-prefill-node"]
+        (p2,) = {"prefill-0", "prefill-1"} - {p1}
+        wait_until(lambda: storage(up.urls[p1]).get("storage_written_pages", 0) > 0, 30,
+                   f"{p1} to put the prompt's pages into the store")
+        # Load-only picking breaks ties at random: 2^-20 that p2 is never picked.
+        for _ in range(20):
+            again = httpx.post(f"{up.router}/generate", json=body, timeout=120)
+            assert again.status_code == 200, again.text
+            assert again.json()["output_ids"] == want
+            if again.headers["x-pdserve-prefill-node"] == p2:
+                break
+        assert again.headers["x-pdserve-prefill-node"] == p2
+        wait_until(lambda: storage(up.urls[p2]).get("storage_hit_pages", 0) > 0, 10,
+                   f"{p2}'s stats to show the storage hit")
+        assert again.json()["meta_info"]["cached_tokens"] >= 288
+        wait_pools_full(up.urls[p2])
+        wait_pools_full(up.urls["decode-0"])
     finally:
-        stack.stop()
-    assert member.child.exited() is not None
+        up.stop()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(kv_store_url, timeout=2)
