@@ -58,6 +58,9 @@ class EngineConfig:
     # hicache_storage_path, which nodes of one model may share).
     hicache_storage_backend: str = ""
     hicache_storage_path: str = ""
+    # The longest a waiting request waits for its storage read before it is computed
+    # instead (a stalled storage must not hold the queue); 0: no limit.
+    hicache_storage_prefetch_timeout_s: float = 10.0
     # mooncake: the master's RPC address, its HTTP metadata server (default: the master's
     # host, port 8080), this node's address for the store, the memory it lends the store.
     hicache_mooncake_master: str = ""
@@ -125,6 +128,9 @@ class EngineConfig:
             raise ValueError("hicache_storage_backend must be file or mooncake (or empty: off), "
                              "got "
                              f"{self.hicache_storage_backend!r}")
+        if not self.hicache_storage_prefetch_timeout_s >= 0:
+            raise ValueError("hicache_storage_prefetch_timeout_s must be >= 0, got "
+                             f"{self.hicache_storage_prefetch_timeout_s}")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_backend == "file" and not self.hicache_storage_path:
@@ -229,6 +235,11 @@ _HELP = {
                                "read back on a miss, checked; nodes of one model sharing "
                                "it share prefixes; empty: off",
     "hicache_storage_path": "folder of the file storage tier",
+    "hicache_storage_prefetch_timeout_s": "longest a waiting request waits for its prefix "
+                                          "to be read from the storage tier before it is "
+                                          "computed instead; while a read that timed out "
+                                          "is still stuck, storage is not read (0: no "
+                                          "limit)",
     "hicache_mooncake_master": "mooncake storage tier: the mooncake_master's RPC address "
                                "HOST:PORT",
     "hicache_mooncake_metadata_url": "mooncake storage tier: the master's HTTP metadata "

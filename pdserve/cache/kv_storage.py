@@ -218,6 +218,7 @@ class PageStore:
         self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}
         self.stats = {"storage_hit_pages": 0, "storage_miss_lookups": 0,
                       "storage_corrupt_pages": 0, "storage_errors": 0,
+                      "storage_prefetch_timeouts": 0,
                       "storage_written_pages": 0, "storage_write_bytes": 0,
                       "storage_read_bytes": 0, "storage_read_seconds": 0.0,
                       "storage_write_seconds": 0.0}
@@ -233,7 +234,7 @@ class PageStore:
     def close(self) -> None:
         self.storage.close()
 
-    def _count(self, **inc) -> None:
+    def count(self, **inc) -> None:
         with self._lock:
             for k, v in inc.items():
                 self.stats[k] += v
@@ -273,9 +274,9 @@ class PageStore:
                 written, nbytes = written + 1, nbytes + len(payload)
         except OSError as exc:
             log.warning("HiCache storage: write failed (%s); serving without it", exc)
-            self._count(storage_errors=1)
+            self.count(storage_errors=1)
         seconds = time.perf_counter() - t0
-        self._count(storage_written_pages=written, storage_write_bytes=nbytes,
+        self.count(storage_written_pages=written, storage_write_bytes=nbytes,
                     storage_write_seconds=seconds)
         if written:
             self.latency["write"].observe(seconds)
@@ -287,9 +288,9 @@ class PageStore:
             while n < len(keys) and self.storage.exists(keys[n]):
                 n += 1
         except OSError:
-            self._count(storage_errors=1)
+            self.count(storage_errors=1)
         if n < len(keys):
-            self._count(storage_miss_lookups=1)
+            self.count(storage_miss_lookups=1)
         return n
 
     def load(self, keys: list[str], host_pages: list[int]) -> int:
@@ -302,20 +303,20 @@ class PageStore:
             except ValueError as exc:
                 log.warning("HiCache storage: object %s… refused (%s); recomputing", key[:12],
                             exc)
-                self._count(storage_corrupt_pages=1)
+                self.count(storage_corrupt_pages=1)
                 break
             except OSError as exc:
                 log.warning("HiCache storage: read failed (%s); recomputing", exc)
-                self._count(storage_errors=1)
+                self.count(storage_errors=1)
                 break
             if payload is None or len(payload) != self.host.page_bytes_all_layers:
                 if payload is not None:
-                    self._count(storage_corrupt_pages=1)
+                    self.count(storage_corrupt_pages=1)
                 break
             self._fill(page, payload)
             ok, nbytes = ok + 1, nbytes + len(payload)
         seconds = time.perf_counter() - t0
-        self._count(storage_hit_pages=ok, storage_read_bytes=nbytes,
+        self.count(storage_hit_pages=ok, storage_read_bytes=nbytes,
                     storage_read_seconds=seconds)
         self.latency["read"].observe(seconds)
         return ok

@@ -20,13 +20,17 @@ Invariants:
   meanwhile (abort, timeout) leaves the prefetch to finish and attach, so nothing leaks;
 - the host pages it allocated are either attached (counted in `host_total_pages`) or
   freed when it finishes: host free + host pages in the tree == host total once idle;
-- requests with the same continuation share one prefetch (keyed by node and first page).
+- requests with the same continuation share one prefetch (keyed by node and first page);
+- a request waits for its prefetch at most `timeout_s`, then is computed instead; while a
+  prefetch that timed out is still under way the storage counts as stalled and no new
+  prefetch starts (each would only wait out the timeout behind it).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -53,7 +57,8 @@ class Stage(enum.Enum):
 
 
 class Prefetch:
-    __slots__ = ("node", "start", "tokens", "keys", "host", "future", "stage", "pages")
+    __slots__ = ("node", "start", "tokens", "keys", "host", "future", "stage", "pages",
+                 "t0", "timed_out")
 
     def __init__(self, node: Node, start: int, tokens: list[int], keys: list[str],
                  future: Future) -> None:
@@ -61,6 +66,8 @@ class Prefetch:
         self.host: list[int] = []
         self.future, self.stage = future, Stage.LOOKUP
         self.pages = 0  # pages attached when DONE
+        self.t0 = time.monotonic()
+        self.timed_out = False  # a request stopped waiting for it
 
     @property
     def done(self) -> bool:
@@ -68,9 +75,9 @@ class Prefetch:
 
 
 class StoragePrefetcher:
-    def __init__(self, hi: HiRadixCache) -> None:
+    def __init__(self, hi: HiRadixCache, timeout_s: float = 0.0) -> None:
         assert hi.store is not None
-        self.hi, self.store = hi, hi.store
+        self.hi, self.store, self.timeout_s = hi, hi.store, timeout_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-prefetch")
         self._ops: dict[tuple[int, tuple[int, ...]], Prefetch] = {}
 
@@ -78,11 +85,28 @@ class StoragePrefetcher:
     def pending(self) -> bool:
         return bool(self._ops)
 
+    def stalled(self) -> bool:
+        return any(op.timed_out for op in self._ops.values())
+
+    def ready(self, op: Prefetch) -> bool:
+        """The request waiting for `op` may go on: it landed, or the wait timed out."""
+        if op.done or op.timed_out:
+            return True
+        if self.timeout_s and time.monotonic() - op.t0 > self.timeout_s:
+            op.timed_out = True
+            self.store.count(storage_prefetch_timeouts=1)
+            log.warning("HiCache storage: a read took over %gs; computing instead, and not "
+                        "reading storage until it ends", self.timeout_s)
+            return True
+        return False
+
     def start(self, tokens: list[int]) -> Prefetch | None:
         """Start reading the pages of `tokens` past the radix match that storage may hold;
         None when there is nothing to read (below the load threshold, a branch already in
-        the tree, or no host copy to hang it under)."""
+        the tree, or no host copy to hang it under) or storage is stalled."""
         hi, ps = self.hi, self.hi.page_size
+        if self.stalled():
+            return None
         m = hi.match(tokens, count=False)
         node = m.host_node
         if node is not hi.root and node.host is None:

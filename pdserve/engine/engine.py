@@ -77,7 +77,8 @@ class Engine:
         self.page_store = self._make_page_store()
         self.kv = KVManager(self.kv_pool, req_pool, use_cache=not cfg.disable_prefix_cache,
                             host_pool=self.host_pool, ctrl=self.hicache,
-                            write_policy=cfg.hicache_write_policy, store=self.page_store)
+                            write_policy=cfg.hicache_write_policy, store=self.page_store,
+                            prefetch_timeout_s=cfg.hicache_storage_prefetch_timeout_s)
         self.future_map = FutureMap(cfg.max_running_requests, self.device)
         self.staging = StagingRing(self.device)
         self.sched = Scheduler(cfg, self.kv, self.future_map, self.staging, self.role,

@@ -25,7 +25,8 @@ from pdserve.memory.req_to_token import ReqToTokenPool
 class KVManager:
     def __init__(self, kv_pool: KVPool, req_pool: ReqToTokenPool, use_cache: bool,
                  host_pool: HostKVPool | None = None, ctrl: HiCacheController | None = None,
-                 write_policy: str = "write_through", store: PageStore | None = None) -> None:
+                 write_policy: str = "write_through", store: PageStore | None = None,
+                 prefetch_timeout_s: float = 0.0) -> None:
         self.kv = kv_pool
         self.req_pool = req_pool
         self.page_size = kv_pool.page_size
@@ -39,7 +40,8 @@ class KVManager:
             self.cache = RadixCache(self.page_size, self.alloc.free)
         self.hi = self.cache if isinstance(self.cache, HiRadixCache) else None
         # Reads from the storage tier for waiting requests (None: no storage tier).
-        self.prefetcher = StoragePrefetcher(self.hi) if self.hi and store else None
+        self.prefetcher = (StoragePrefetcher(self.hi, prefetch_timeout_s)
+                           if self.hi and store else None)
 
     # -- capacity -------------------------------------------------------------
     @property
@@ -97,7 +99,7 @@ class KVManager:
             return True
         if req.prefetch is None:
             req.prefetch = self.prefetcher.start(self._reusable(req)) or True
-        return req.prefetch is True or req.prefetch.done
+        return req.prefetch is True or self.prefetcher.ready(req.prefetch)
 
     def preallocate(self, req: Req, new_len: int) -> bool:
         """`admit` plus pages for positions up to `new_len`, all or nothing: the decode
@@ -265,9 +267,8 @@ class KVManager:
                 and (self.prefetcher is None or not self.prefetcher.pending))
 
     def flush(self) -> None:
-        """Drop every unlocked prefix from the cache, once storage reads have landed."""
-        if self.prefetcher is not None:
-            self.prefetcher.drain()
+        """Drop every unlocked prefix from the cache (a storage read under way keeps the
+        node it attaches to locked, and attaches later)."""
         if self.cache is not None:
             self.cache.reset()
 

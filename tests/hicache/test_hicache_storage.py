@@ -283,3 +283,53 @@ def test_engine_storage_hits_match_transformers(tmp_path):
     assert cached2 == (len(ids) - 1) // ps * ps, cached2  # every whole page but the last token
     assert st2["storage_hit_pages"] == cached2 // ps and st2["storage_written_pages"] == 0
     assert tuple(out1) == tuple(out2) == hf_greedy(MODEL, tuple(ids), 6)
+
+
+def test_a_stalled_storage_read_times_out_and_the_prompt_is_computed(tmp_path):
+    """A storage that stops answering holds a request for at most
+    --hicache-storage-prefetch-timeout-s; then it is computed (same tokens), storage counts
+    as stalled (no new reads) until the stuck read ends, and nothing leaks."""
+    import threading
+
+    rng = random.Random(13)
+    ids = [rng.randrange(100, 30000) for _ in range(160)]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    kw = dict(max_total_tokens=1024, enable_hierarchical_cache=True,
+              hicache_storage_backend="file", hicache_storage_path=str(tmp_path))
+    llm = LLM(MODEL, **kw)
+    try:
+        llm.generate([ids], params)
+        llm.engine.kv.drain_copies()
+    finally:
+        llm.close()
+    llm = LLM(MODEL, hicache_storage_prefetch_timeout_s=0.5, **kw)
+    release = threading.Event()
+    try:
+        eng = llm.engine
+        storage = eng.page_store.storage
+        real_get = storage.get
+
+        def stuck_get(key):
+            release.wait(60)
+            return real_get(key)
+
+        storage.get = stuck_get
+        t0 = time.monotonic()
+        out = llm.generate([ids], params)[0]
+        assert 0.5 <= time.monotonic() - t0 < 30
+        assert tuple(out.output_ids) == hf_greedy(MODEL, tuple(ids), 4)
+        st = eng.hicache_stats()["storage"]
+        assert st["storage_prefetch_timeouts"] == 1 and st["storage_hit_pages"] == 0
+        assert eng.kv.prefetcher.stalled()
+        eng.flush_cache()  # the prompt's own pages go: storage would be worth a read now
+        more = llm.generate([ids[:100] + ids[:60]], params)[0]  # a miss: computed at once
+        assert eng.kv.prefetcher.start(ids) is None  # stalled: no new read
+        assert more.output_ids
+        release.set()
+        eng.kv.drain_copies()
+        assert not eng.kv.prefetcher.stalled()
+        eng.flush_cache()
+        assert eng.pools_full()
+    finally:
+        release.set()
+        llm.close()
