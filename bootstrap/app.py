@@ -10,11 +10,13 @@ resolve such a local class from a real annotation, not from a string.
 """
 
 import contextlib
+import hashlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
 from pydantic import BaseModel, Field, create_model
 from starlette.concurrency import run_in_threadpool
 
@@ -22,12 +24,13 @@ from bootstrap.auth import require_token
 from bootstrap.body_limit import BodyLimitMiddleware
 from bootstrap.config import RegistryConfig
 from bootstrap.errors import ApiError, ErrorBody, install_error_handlers
-from bootstrap.lifecycle import DeleteOutcome, PutOutcome
+from bootstrap.lifecycle import SECRET_FIELD, DeleteOutcome, PutOutcome
 from bootstrap.record import (
     ID_PATTERN,
     SERVER_FIELDS,
     NodeRegistration,
     RegisteredNode,
+    RegistrationAnswer,
     Role,
     servable,
 )
@@ -39,6 +42,12 @@ log = logging.getLogger("pdserve.registry")
 EPOCH_HEADER = "x-registry-epoch"
 
 NodeIdPath = Annotated[str, Path(pattern=ID_PATTERN, max_length=128)]
+# The record's instance secret (RegistrationAnswer.instance_secret), on renewals and deletes.
+SecretHeader = Annotated[
+    str | None,
+    Header(alias="X-Instance-Secret", max_length=256,
+           description="the instance secret the registering PUT answered"),
+]
 InstanceQuery = Annotated[
     str | None,
     Query(pattern=ID_PATTERN, max_length=128, description="only delete this instance's record"),
@@ -98,41 +107,65 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
 
     @app.put(
         "/v1/nodes/{node_id}",
-        response_model=RegisteredNode,
+        response_model=RegistrationAnswer,
         dependencies=write_deps,
         responses={
-            201: {"model": RegisteredNode, "description": "Created (no live record before)"},
-            **_errors(400, *auth_errors, 409, 413, 422, 503),  # 400: body bytes not UTF-8
+            201: {"model": RegistrationAnswer, "description": "Created (no live record before)"},
+            **_errors(400, *auth_errors, 403, 409, 413, 422, 503),  # 400: body bytes not UTF-8
         },
     )
-    def put_node(node_id: NodeIdPath, body: Registration, response: Response) -> Any:
-        """Register or renew a node (a heartbeat is a full PUT of the record)."""
+    def put_node(node_id: NodeIdPath, body: Registration, response: Response,
+                 secret: SecretHeader = None) -> Any:
+        """Register or renew a node (a heartbeat is a full PUT of the record). Renewing
+        needs the record's `X-Instance-Secret`; a new instance takes over a live record
+        only once it expired (409 `node_id_in_use` until then)."""
         incoming = _incoming(config, node_id, body)
         _check_storable(incoming)
-        outcome, record = store.put(incoming, incoming.pop("ttl_s"))
+        fresh = secrets.token_urlsafe(32)
+        issued = _sha256(fresh)
+        outcome, record = store.put(incoming, incoming.pop("ttl_s"), _sha256(secret), issued)
         if outcome is PutOutcome.SUPERSEDED:
             raise ApiError(
                 409,
                 f"instance {body.instance_id} of node {node_id} was replaced by a newer one",
                 "instance_superseded",
             )
+        if outcome is PutOutcome.IN_USE:
+            raise ApiError(
+                409,
+                f"node {node_id} is registered by another live instance; it can register "
+                "once that record expires (its TTL) or is deleted",
+                "node_id_in_use",
+            )
+        if outcome is PutOutcome.FORBIDDEN:
+            raise ApiError(403, f"wrong or missing X-Instance-Secret for node {node_id}",
+                           "invalid_instance_secret")
         if outcome is PutOutcome.CREATED:
             response.status_code = 201
         if outcome is PutOutcome.RENEWED:
             log.debug("renewed %s", node_id)
         else:
             log.info("%s %s (%s, instance %s)", outcome.value, node_id, body.role, body.instance_id)
-        return record
+        assert record is not None
+        answer = _public(record)
+        if record.get(SECRET_FIELD) == issued:
+            answer["instance_secret"] = fresh
+        return answer
 
     @app.delete(
         "/v1/nodes/{node_id}",
         status_code=204,
         dependencies=write_deps,
-        responses=_errors(*auth_errors, 404, 409, 422, 503),
+        responses=_errors(*auth_errors, 403, 404, 409, 422, 503),
     )
-    def delete_node(node_id: NodeIdPath, instance_id: InstanceQuery = None) -> Response:
-        """Deregister a node; with `instance_id`, only if that instance still owns it."""
-        outcome = store.delete(node_id, instance_id)
+    def delete_node(node_id: NodeIdPath, instance_id: InstanceQuery = None,
+                    secret: SecretHeader = None) -> Response:
+        """Deregister a node (with its `X-Instance-Secret`); with `instance_id`, only if
+        that instance still owns it."""
+        outcome = store.delete(node_id, instance_id, _sha256(secret))
+        if outcome is DeleteOutcome.FORBIDDEN:
+            raise ApiError(403, f"wrong or missing X-Instance-Secret for node {node_id}",
+                           "invalid_instance_secret")
         if outcome is DeleteOutcome.NOT_FOUND:
             raise ApiError(404, f"node {node_id} is not registered", "node_not_found")
         if outcome is DeleteOutcome.INSTANCE_MISMATCH:
@@ -150,7 +183,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
     )
     def list_nodes(role: Role | None = None) -> Any:
         """Live nodes, sorted by node_id, optionally of one role."""
-        return {"nodes": [r for r in store.list(role) if _readable(r)]}
+        return {"nodes": [_public(r) for r in store.list(role) if _readable(r)]}
 
     @app.get(
         "/v1/nodes/{node_id}",
@@ -162,7 +195,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
         record = store.get(node_id)
         if record is None or not _readable(record):
             raise ApiError(404, f"node {node_id} is not registered", "node_not_found")
-        return record
+        return _public(record)
 
     @app.get("/livez", response_model=Health)
     def livez() -> Any:
@@ -178,6 +211,15 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
         return {"status": "ok", "store": store.kind}
 
     return app
+
+
+def _sha256(secret: str | None) -> str | None:
+    return None if secret is None else hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _public(record: dict[str, Any]) -> dict[str, Any]:
+    """A stored record as served: without its secret's hash."""
+    return {k: v for k, v in record.items() if k != SECRET_FIELD}
 
 
 def _check_storable(incoming: dict[str, Any]) -> None:

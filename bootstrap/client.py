@@ -19,6 +19,7 @@ import httpx
 from pydantic import ValidationError
 
 from bootstrap.client_errors import (
+    NodeIdInUse,
     NodeSuperseded,
     RegistryAuthError,
     RegistryError,
@@ -63,6 +64,9 @@ class RegistryClient:
         self._cache_lock = threading.Lock()
         self._heartbeat: Heartbeat | None = None
         self._record: dict[str, Any] | None = None
+        # The registry's secret for our record (its answer to the registering PUT): sent
+        # on every renewal and on the delete, which the registry refuses without it.
+        self._secret: str | None = None
 
     # ---- raw calls -------------------------------------------------------------------
 
@@ -70,15 +74,30 @@ class RegistryClient:
         return self._request("GET", "/health").json()
 
     def put_record(self, record: NodeRecord | dict[str, Any]) -> tuple[RegisteredNode, bool]:
-        """One PUT; returns the stored record and whether it was newly created."""
+        """One PUT; returns the stored record and whether it was newly created. Keeps the
+        instance secret the registry issues (a new record) and sends it on renewals."""
         payload = record_payload(record)
-        resp = self._request("PUT", f"/v1/nodes/{payload['node_id']}", json=payload)
-        return RegisteredNode.model_validate(resp.json()), resp.status_code == 201
+        try:
+            resp = self._request("PUT", f"/v1/nodes/{payload['node_id']}", json=payload,
+                                 headers=self._secret_header())
+        except NodeIdInUse as exc:
+            if self._secret is None:
+                raise  # not registered yet: a predecessor's record, wait for it to expire
+            # Ours expired (a stall) and another instance registered the node_id since.
+            raise NodeSuperseded(str(exc), exc.status, exc.code) from None
+        answer = resp.json()
+        if secret := answer.pop("instance_secret", None):
+            self._secret = secret
+        return RegisteredNode.model_validate(answer), resp.status_code == 201
+
+    def _secret_header(self) -> dict[str, str]:
+        return {"X-Instance-Secret": self._secret} if self._secret else {}
 
     def delete_record(self, node_id: str, instance_id: str | None = None) -> bool:
         """DELETE; False when there was nothing (of that instance) to delete."""
         params = {"instance_id": instance_id} if instance_id else None
-        resp = self._request("DELETE", f"/v1/nodes/{node_id}", params=params, ok=(404, 409))
+        resp = self._request("DELETE", f"/v1/nodes/{node_id}", params=params, ok=(404, 409),
+                             headers=self._secret_header())
         return resp.status_code == 204
 
     # ---- lookups ---------------------------------------------------------------------
@@ -153,7 +172,7 @@ class RegistryClient:
         try:
             node: RegisteredNode | None = heartbeat.beat_once()
         except RegistryUnavailable as exc:
-            log.warning("registry unreachable (%s); will keep trying in the background", exc)
+            log.warning("not registered yet (%s); will keep trying in the background", exc)
             node = None
         heartbeat.start(registered=node is not None)
         self._heartbeat, self._record = heartbeat, payload
@@ -220,10 +239,12 @@ class RegistryClient:
         text = f"{method} {path}: {resp.status_code} {message}"
         if resp.status_code >= 500:
             raise RegistryUnavailable(text, resp.status_code, code)
-        if resp.status_code == 401:
+        if resp.status_code in (401, 403):
             raise RegistryAuthError(text, resp.status_code, code)
         if resp.status_code == 409 and code == "instance_superseded":
             raise NodeSuperseded(text, resp.status_code, code)
+        if resp.status_code == 409 and code == "node_id_in_use":
+            raise NodeIdInUse(text, resp.status_code, code)
         raise RegistryRejected(text, resp.status_code, code)
 
 

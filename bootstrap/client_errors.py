@@ -15,8 +15,14 @@ class RegistryUnavailable(RegistryError):
     """No answer, or a 5xx: worth retrying later."""
 
 
+class NodeIdInUse(RegistryUnavailable):
+    """409 on PUT: another instance's record of this node_id is still live (a restarted
+    node's predecessor that was not deregistered): retry until it expires."""
+
+
 class RegistryAuthError(RegistryError):
-    """401: the token is missing or wrong. Retrying will not help until it is fixed."""
+    """401: the token is missing or wrong; 403: the instance secret is. Retrying will not
+    help until it is fixed."""
 
 
 class RegistryRejected(RegistryError):

@@ -37,7 +37,8 @@ ROLES: tuple[str, ...] = ("prefill", "decode")
 # Fields only the registry writes; a client that PUTs back a record it read gets them
 # ignored rather than trusted.
 SERVER_FIELDS: frozenset[str] = frozenset(
-    {"registered_at", "renewed_at", "expires_at", "generation", "previous_instance_id"}
+    {"registered_at", "renewed_at", "expires_at", "generation", "previous_instance_id",
+     "secret_sha256", "instance_secret"}
 )
 
 # Strict: a wire format takes the types its schema states (no "16" for 16, no false for
@@ -137,6 +138,14 @@ class RegisteredNode(NodeRecord):
     expires_at: float
     generation: int = Field(ge=1)
     previous_instance_id: str | None = None
+
+
+class RegistrationAnswer(RegisteredNode):
+    """The answer to a PUT: the stored record, plus `instance_secret` when this PUT issued
+    one (a new record, or a new instance's): the node sends it as `X-Instance-Secret` on
+    every later PUT and DELETE of the record. It is shown only here, once."""
+
+    instance_secret: str | None = None
 
 
 def servable(record: dict[str, Any]) -> str | None:

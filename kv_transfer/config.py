@@ -7,7 +7,7 @@ right before creating a Mooncake engine (see ``backends/mooncake.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Backend = Literal["mooncake", "tcp"]
@@ -56,6 +56,11 @@ class KVTransferConfig:
     # False: the pages are freed once the lease (plus margin) ran out, which a write batch
     # already under way when the prefill paused can outlast (kept for tests and A/B runs).
     quarantine: bool = True
+    # The KV data path's shared secret ("" = open): a decode's Register and every tcp
+    # write carry it, and a prefill refuses a Register, a decode's tcp server a write,
+    # without it (counted as stranger_peers / stranger_writes). PD nodes derive it from
+    # the registry token (pdserve/disagg/config.py: kv_token), which both sides hold.
+    token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in ("mooncake", "tcp"):

@@ -44,7 +44,8 @@ class TransferManager:
         self.instance = uuid.uuid4().hex
         self.stats = TransferStats()
         self.memory = memory or HostMemory()
-        self._backend = create_backend(self.config, self.memory)
+        self._backend = create_backend(self.config, self.memory,
+                                       on_stranger=lambda: self.stats.inc("stranger_writes"))
         self._closed = False
         try:
             self._backend.register(args.regions())
@@ -91,7 +92,7 @@ class TransferManager:
             page_bytes=a.page_bytes, num_pages=a.num_pages, k_ptrs=list(a.k_ptrs),
             v_ptrs=list(a.v_ptrs), buf_lens=list(a.buf_lens), meta_ptrs=list(a.meta_ptrs),
             meta_row_bytes=list(a.meta_row_bytes), meta_rows=a.meta_rows,
-            tp_rank=lay.tp_rank, tp_size=lay.tp_size)
+            tp_rank=lay.tp_rank, tp_size=lay.tp_size, token=self.config.token)
 
     # ---- what the node publishes --------------------------------------------------------
 

@@ -55,6 +55,7 @@ class Register:
     meta_rows: int
     tp_rank: int  # which rank of a TP decode node registers (its pool holds its KV heads)
     tp_size: int
+    token: str  # the KV data path's secret (KVTransferConfig.token; "" when open)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ COUNTERS = (
     "fenced_rooms",         # decode: failed rooms whose pages waited out their lease
     "fenced_writes",        # decode: incoming writes refused, their room closed (tcp)
     "rooms_quarantined",    # decode: failed rooms whose pages waited for the prefill's word
+    "stranger_peers",       # prefill: registrations refused for a wrong or missing KV token
+    "stranger_writes",      # decode: tcp writes refused for a wrong or missing KV token
 )
 
 

@@ -44,7 +44,7 @@ from kv_transfer.messages import (
 )
 from kv_transfer.metrics import TransferStats
 from kv_transfer.poll import KVPoll, RoomStatus
-from kv_transfer.prefill_peers import DecodePeer, check_register, check_request
+from kv_transfer.prefill_peers import STRANGER, DecodePeer, check_register, check_request
 from kv_transfer.rooms import Chunk, SenderRoom
 from kv_transfer.runs import kv_entries, page_runs
 from kv_transfer.worker import JobResult, TransferJob
@@ -328,7 +328,10 @@ class PrefillControl(ControlLoop):
         except BadMessage as exc:
             return self._on_bad(ident, exc)
         if isinstance(msg, Register):
-            reason = check_register(msg, self._args, self._backend)
+            reason = check_register(msg, self._args, self._backend, self._cfg.token)
+            if reason == STRANGER:
+                self._stats.inc("stranger_peers")
+                log.warning("refused a decode peer's registration: %s", reason)
             asks = peer.asks if peer is not None else PeerAsks(self._cfg.write_lease_s)
             self._peers[ident] = DecodePeer(ident, msg, reason, time.monotonic(), asks)
         elif isinstance(msg, Lease):

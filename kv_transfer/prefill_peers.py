@@ -7,6 +7,7 @@ against that registration, so we only ever write inside the pools the peer regis
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 from kv_transfer.args import KVArgs, KVLayout
@@ -43,8 +44,18 @@ class DecodePeer:
         return self.reg.meta_ptrs[buffer] + slot * self.reg.meta_row_bytes[buffer]
 
 
-def check_register(reg: Register, args: KVArgs, backend: str) -> str | None:
+STRANGER = "unauthenticated peer: wrong or missing KV token"
+
+
+def token_matches(presented: str, expected: str) -> bool:
+    """Constant-time: the time taken does not reveal how much of a guess was right."""
+    return hmac.compare_digest(presented.encode(), expected.encode())
+
+
+def check_register(reg: Register, args: KVArgs, backend: str, token: str = "") -> str | None:
     """Why KV of this node cannot go to the registering peer, or None when it can."""
+    if token and not token_matches(reg.token, token):
+        return STRANGER  # checked first: a stranger learns nothing about our layout
     if reg.backend != backend:
         return f"incompatible transfer backend: {backend!r} != {reg.backend!r}"
     try:

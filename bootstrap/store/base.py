@@ -29,9 +29,11 @@ class NodeStore(ABC):
 
     @abstractmethod
     def put(
-        self, incoming: dict[str, Any], ttl_s: float
+        self, incoming: dict[str, Any], ttl_s: float, presented: str | None = None,
+        issued: str = "",
     ) -> tuple[PutOutcome, dict[str, Any] | None]:
-        """Register or renew; returns the outcome and the stored record."""
+        """Register or renew (`lifecycle.apply_put` with the secrets' sha256s); returns
+        the outcome and the stored record."""
 
     @abstractmethod
     def get(self, node_id: str) -> dict[str, Any] | None:
@@ -42,8 +44,10 @@ class NodeStore(ABC):
         """Live records, sorted by node_id, optionally of one role."""
 
     @abstractmethod
-    def delete(self, node_id: str, instance_id: str | None = None) -> DeleteOutcome:
-        """Remove a record (only `instance_id`'s when given)."""
+    def delete(self, node_id: str, instance_id: str | None = None,
+               presented: str | None = None) -> DeleteOutcome:
+        """Remove a record (only `instance_id`'s when given; `presented`: sha256 of the
+        secret the caller sent)."""
 
     @abstractmethod
     def epoch(self) -> str:

@@ -40,11 +40,13 @@ class MemoryStore(NodeStore):
         return entry[1]
 
     def put(
-        self, incoming: dict[str, Any], ttl_s: float
+        self, incoming: dict[str, Any], ttl_s: float, presented: str | None = None,
+        issued: str = "",
     ) -> tuple[PutOutcome, dict[str, Any] | None]:
         with self._lock:
             node_id = incoming["node_id"]
-            outcome, record = apply_put(self._live(node_id), incoming, ttl_s, time.time())
+            outcome, record = apply_put(self._live(node_id), incoming, ttl_s, time.time(),
+                                       presented, issued)
             if record is not None:
                 self._records[node_id] = (time.monotonic() + ttl_s, record)
             return outcome, copy.deepcopy(record)
@@ -62,9 +64,10 @@ class MemoryStore(NodeStore):
             records = [r for _, r in self._records.values() if role in (None, r["role"])]
             return copy.deepcopy(sorted(records, key=lambda r: r["node_id"]))
 
-    def delete(self, node_id: str, instance_id: str | None = None) -> DeleteOutcome:
+    def delete(self, node_id: str, instance_id: str | None = None,
+               presented: str | None = None) -> DeleteOutcome:
         with self._lock:
-            outcome = check_delete(self._live(node_id), instance_id)
+            outcome = check_delete(self._live(node_id), instance_id, presented)
             if outcome is DeleteOutcome.DELETED:
                 del self._records[node_id]
             return outcome

@@ -68,7 +68,8 @@ class RedisStore(NodeStore):
         return record
 
     def put(
-        self, incoming: dict[str, Any], ttl_s: float
+        self, incoming: dict[str, Any], ttl_s: float, presented: str | None = None,
+        issued: str = "",
     ) -> tuple[PutOutcome, dict[str, Any] | None]:
         node_id = incoming["node_id"]
         key = self._key(node_id)
@@ -78,7 +79,8 @@ class RedisStore(NodeStore):
                 try:
                     pipe.watch(key)
                     stored = self._decode(pipe.get(key))
-                    outcome, record = apply_put(stored, incoming, ttl_s, time.time())
+                    outcome, record = apply_put(stored, incoming, ttl_s, time.time(),
+                                               presented, issued)
                     if record is None:
                         pipe.unwatch()
                         return outcome, None
@@ -105,13 +107,15 @@ class RedisStore(NodeStore):
         records = (self._decode(raw) for raw in raws)
         return [r for r in records if r is not None and role in (None, r.get("role"))]
 
-    def delete(self, node_id: str, instance_id: str | None = None) -> DeleteOutcome:
+    def delete(self, node_id: str, instance_id: str | None = None,
+               presented: str | None = None) -> DeleteOutcome:
         key = self._key(node_id)
         with _unavailable_on_error(), self._redis.pipeline() as pipe:
             for _ in range(MAX_WATCH_RETRIES):
                 try:
                     pipe.watch(key)
-                    outcome = check_delete(self._decode(pipe.get(key)), instance_id)
+                    outcome = check_delete(self._decode(pipe.get(key)), instance_id,
+                                           presented)
                     if outcome is not DeleteOutcome.DELETED:
                         pipe.unwatch()
                         return outcome

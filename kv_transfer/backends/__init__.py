@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kv_transfer.backends.base import BackendUnavailable, TransferBackend
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.memory import HostMemory
 
 
-def create_backend(config: KVTransferConfig, memory: HostMemory | None = None) -> TransferBackend:
-    """Create the configured backend inside the calling process (never before a fork)."""
+def create_backend(config: KVTransferConfig, memory: HostMemory | None = None,
+                   on_stranger: Callable[[], None] = lambda: None) -> TransferBackend:
+    """Create the configured backend inside the calling process (never before a fork).
+    `on_stranger`: called for each incoming write refused for its KV token (tcp)."""
     if config.backend == "mooncake":
         from kv_transfer.backends.mooncake import MooncakeBackend
 
         return MooncakeBackend(config)  # registers device pointers as they are
     from kv_transfer.backends.tcp import TcpBackend
 
-    return TcpBackend(config, memory)
+    return TcpBackend(config, memory, on_stranger)
 
 
 def mooncake_import_error() -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 import zmq
@@ -32,12 +33,14 @@ _SLICE_S = 0.05  # how often a waiting write re-checks for a dead peer
 class TcpBackend(TransferBackend):
     name = "tcp"
 
-    def __init__(self, config: KVTransferConfig, memory: HostMemory | None = None) -> None:
+    def __init__(self, config: KVTransferConfig, memory: HostMemory | None = None,
+                 on_stranger: Callable[[], None] = lambda: None) -> None:
         self._config = config
         self._memory = memory or HostMemory()
         self._ctx = zmq.Context()
         self._regions = Regions()
-        self._server = TcpServer(self._ctx, config.host, self._regions, self._memory)
+        self._server = TcpServer(self._ctx, config.host, self._regions, self._memory,
+                                 config.token, on_stranger)
         self._clients: dict[str, zmq.Socket] = {}  # transfer thread only
         self._next_id = 0
         self._dead_lock = threading.Lock()
@@ -73,7 +76,7 @@ class TcpBackend(TransferBackend):
         self._next_id += 1
         req_id = self._next_id
         header = msgpack.packb({"id": req_id, "dst": entries.dst, "lens": entries.lens,
-                                "room": room})
+                                "room": room, "tok": self._config.token})
         regions = list(zip(entries.src, entries.lens, strict=True))
         frames = [header] + self._memory.gather(regions)
         sock = self._client(session)

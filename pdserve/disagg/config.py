@@ -6,6 +6,7 @@ It rides inside `ServerConfig.pd`; the node's process kind is `ServerConfig.role
 from __future__ import annotations
 
 import argparse
+import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,8 @@ class PDConfig:
             heartbeat_interval_s=args.kv_heartbeat_interval_s,
             heartbeat_misses=args.kv_heartbeat_misses, checksum=args.kv_checksum,
             lease_s=args.kv_lease_s, lease_margin_s=args.kv_lease_margin_s,
-            quarantine=args.kv_quarantine)
+            quarantine=args.kv_quarantine, token=kv_token(
+                token if token is not None else args.registry_token))
         return cls(registry_url=args.registry_url,
                    registry_token=token if token is not None else args.registry_token,
                    node_id=args.node_id, registry_ttl_s=args.registry_ttl_s,
@@ -133,3 +135,12 @@ class PDConfig:
 
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def kv_token(registry_token: str | None) -> str:
+    """The KV data path's secret (KVTransferConfig.token): derived from the registry
+    token every node of a deployment holds, so a stack with a registry token also refuses
+    KV traffic from whoever lacks it, with nothing more to hand out; "" (open) without."""
+    if not registry_token:
+        return ""
+    return hmac.new(registry_token.encode(), b"pdserve kv data path", "sha256").hexdigest()

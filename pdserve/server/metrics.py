@@ -86,6 +86,8 @@ _STORAGE_COUNTERS = (
     ("storage_miss_lookups", "storage lookups that ended at a missing page"),
     ("storage_corrupt_pages", "storage objects refused by their checksum (recomputed)"),
     ("storage_errors", "storage reads or writes that failed (served without storage)"),
+    ("storage_prefetch_timeouts", "storage reads a request stopped waiting for "
+     "(--hicache-storage-prefetch-timeout-s; computed instead)"),
     ("storage_written_pages", "pages written to the storage tier"),
     ("storage_write_bytes", "bytes written to the storage tier"),
     ("storage_read_bytes", "bytes read from the storage tier"),
@@ -120,7 +122,7 @@ def _role_metrics(role: dict):
     for key in ("bytes_sent", "bytes_received", "rooms_started", "rooms_succeeded",
                 "rooms_failed", "engine_calls", "engine_failures", "engine_recreations",
                 "bad_messages", "checksum_failures", "late_writes_refused", "fenced_rooms",
-                "fenced_writes", "rooms_quarantined"):
+                "fenced_writes", "rooms_quarantined", "stranger_peers", "stranger_writes"):
         if key in t:
             yield CounterMetricFamily(f"pdserve_kv_transfer_{key}", f"KV transfer {key}",
                                       value=t[key])

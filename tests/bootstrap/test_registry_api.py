@@ -21,8 +21,14 @@ def api(shared_registry: Registry) -> httpx.Client:
         yield client
 
 
-def put(api: httpx.Client, record: dict, **kw) -> httpx.Response:
-    return api.put(f"/v1/nodes/{record['node_id']}", json=record, **kw)
+def put(api: httpx.Client, record: dict, secret: str | None = None, **kw) -> httpx.Response:
+    headers = {"X-Instance-Secret": secret} if secret else {}
+    return api.put(f"/v1/nodes/{record['node_id']}", json=record, headers=headers, **kw)
+
+
+def delete(api: httpx.Client, node_id: str, secret: str | None, **params) -> httpx.Response:
+    headers = {"X-Instance-Secret": secret} if secret else {}
+    return api.delete(f"/v1/nodes/{node_id}", params=params, headers=headers)
 
 
 def test_register_read_list_delete(api: httpx.Client) -> None:
@@ -31,6 +37,8 @@ def test_register_read_list_delete(api: httpx.Client) -> None:
     resp = put(api, record)
     assert resp.status_code == 201, resp.text
     stored = resp.json()
+    secret = stored.pop("instance_secret")
+    assert len(secret) >= 40 and "secret_sha256" not in stored
     for key, value in record.items():
         assert stored[key] == value, key  # every field kept, extras included
     assert stored["ttl_s"] == 30.0  # --default-ttl
@@ -42,7 +50,8 @@ def test_register_read_list_delete(api: httpx.Client) -> None:
     listed = {n["node_id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
     assert listed[record["node_id"]] == stored
 
-    assert api.delete(f"/v1/nodes/{record['node_id']}").status_code == 204
+    assert delete(api, record["node_id"], None).status_code == 403
+    assert delete(api, record["node_id"], secret).status_code == 204
     assert api.get(f"/v1/nodes/{record['node_id']}").status_code == 404
     assert record["node_id"] not in {n["node_id"] for n in api.get("/v1/nodes").json()["nodes"]}
 
@@ -59,9 +68,12 @@ def test_role_filter(api: httpx.Client) -> None:
 
 
 def test_server_fields_in_body_are_ignored(api: httpx.Client) -> None:
-    record = node_record(registered_at=1.0, expires_at=2.0, generation=99)
+    record = node_record(registered_at=1.0, expires_at=2.0, generation=99,
+                         secret_sha256="0" * 64, instance_secret="mine")
     stored = put(api, record).json()
     assert stored["generation"] == 1 and stored["registered_at"] > 1e9
+    assert stored["instance_secret"] != "mine"
+    assert "secret_sha256" not in api.get(f"/v1/nodes/{record['node_id']}").json()
 
 
 def test_record_expires_after_ttl(api: httpx.Client) -> None:
@@ -83,8 +95,10 @@ def test_renewal_keeps_record(api: httpx.Client) -> None:
     while time.time() < first["expires_at"] + 0.5:  # heartbeats past the first expiry
         time.sleep(0.3)
         i += 1
-        resp = put(api, dict(record, load={"running": i, "waiting": 0, "kv_usage": 0.5}))
+        resp = put(api, dict(record, load={"running": i, "waiting": 0, "kv_usage": 0.5}),
+                   first["instance_secret"])
         assert resp.status_code == 200, resp.text
+        assert resp.json()["instance_secret"] is None  # issued once, at registration
     now = api.get(f"/v1/nodes/{record['node_id']}").json()
     assert now["registered_at"] == first["registered_at"]  # same instance: not re-registered
     assert now["renewed_at"] > first["expires_at"]
@@ -95,8 +109,13 @@ def test_new_instance_replaces_and_readers_can_tell(api: httpx.Client) -> None:
     old = node_record()
     first = put(api, old).json()
     new = dict(old, instance_id=uuid.uuid4().hex, http_url="http://127.0.0.1:30001")
+    # A restart that did not deregister: the old record is live, the new instance waits.
     resp = put(api, new)
+    assert resp.status_code == 409 and resp.json()["error"]["code"] == "node_id_in_use"
+    resp = put(api, new, first["instance_secret"])  # a hand-over: the old secret
     assert resp.status_code == 200
+    new_secret = resp.json()["instance_secret"]
+    assert new_secret and new_secret != first["instance_secret"]
     stored = api.get(f"/v1/nodes/{old['node_id']}").json()
     assert stored["instance_id"] == new["instance_id"]
     assert stored["http_url"] == "http://127.0.0.1:30001"
@@ -107,14 +126,34 @@ def test_new_instance_replaces_and_readers_can_tell(api: httpx.Client) -> None:
     assert ids.count(old["node_id"]) == 1  # replaced, not duplicated
 
     # The old instance, still heartbeating, must not take the record back.
-    resp = put(api, old)
+    resp = put(api, old, first["instance_secret"])
     assert resp.status_code == 409 and resp.json()["error"]["code"] == "instance_superseded"
     # Nor may its shutdown delete its successor's record.
-    resp = api.delete(f"/v1/nodes/{old['node_id']}", params={"instance_id": old["instance_id"]})
+    resp = delete(api, old["node_id"], first["instance_secret"], instance_id=old["instance_id"])
     assert resp.status_code == 409
+    assert delete(api, old["node_id"], first["instance_secret"]).status_code == 403
     assert api.get(f"/v1/nodes/{old['node_id']}").json()["instance_id"] == new["instance_id"]
-    resp = api.delete(f"/v1/nodes/{old['node_id']}", params={"instance_id": new["instance_id"]})
+    resp = delete(api, old["node_id"], new_secret, instance_id=new["instance_id"])
     assert resp.status_code == 204
+
+
+def test_the_shared_token_cannot_touch_another_nodes_record(api: httpx.Client) -> None:
+    """Credentials: the bearer token registers; only the instance secret renews, deletes
+    or hands a record over. Once the record expires, the node_id is free again."""
+    victim = node_record(ttl_s=3.0)
+    secret = put(api, victim).json()["instance_secret"]
+    intruder = dict(victim, http_url="http://127.0.0.1:1")  # the same instance_id, even
+    for wrong in (None, "guess", secret + "x"):
+        resp = put(api, intruder, wrong)
+        assert resp.status_code == 403 and resp.json()["error"]["code"] == \
+            "invalid_instance_secret"
+        assert delete(api, victim["node_id"], wrong).status_code == 403
+    takeover = dict(victim, instance_id=uuid.uuid4().hex, http_url="http://127.0.0.1:1")
+    assert put(api, takeover).status_code == 409
+    assert api.get(f"/v1/nodes/{victim['node_id']}").json()["http_url"] == victim["http_url"]
+    time.sleep(3.5)  # the victim stopped heartbeating: its record expires
+    resp = put(api, takeover)
+    assert resp.status_code == 201 and resp.json()["generation"] == 1
 
 
 def test_100_parallel_registrations_all_land(api: httpx.Client) -> None:
@@ -130,15 +169,16 @@ def test_100_parallel_registrations_all_land(api: httpx.Client) -> None:
         assert listed[record["node_id"]]["instance_id"] == record["instance_id"]
 
 
-def test_concurrent_replacements_are_serialized(api: httpx.Client) -> None:
-    # 24 restarts of one node racing: each must see the previous one's write, so the
-    # generation counts all of them (a lost update would leave it short).
+def test_concurrent_registrations_are_serialized(api: httpx.Client) -> None:
+    # 24 instances of one node racing: each must see the previous one's write, so exactly
+    # one creates the record and the others find it in use (a lost update would let two
+    # create it, each believing the node_id is theirs).
     node_id = f"race-{uuid.uuid4().hex[:8]}"
     records = [node_record(node_id) for _ in range(24)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
         statuses = sorted(pool.map(lambda r: put(api, r).status_code, records))
-    assert statuses == [200] * 23 + [201]
-    assert api.get(f"/v1/nodes/{node_id}").json()["generation"] == 24
+    assert statuses == [201] + [409] * 23
+    assert api.get(f"/v1/nodes/{node_id}").json()["generation"] == 1
 
 
 def test_health(api: httpx.Client, shared_registry: Registry) -> None:

@@ -11,7 +11,12 @@ import pytest
 from registry_harness import free_port, node_record, wait_for
 
 from bootstrap.client import RegistryClient
-from bootstrap.client_errors import RegistryAuthError, RegistryRejected, RegistryUnavailable
+from bootstrap.client_errors import (
+    NodeSuperseded,
+    RegistryAuthError,
+    RegistryRejected,
+    RegistryUnavailable,
+)
 from bootstrap.heartbeat import DEFAULT_BACKOFF_BASE_S
 
 CACHE_TTL_S = 3.0
@@ -89,18 +94,25 @@ def test_node_may_start_before_the_registry(start_registry) -> None:
 
 
 def test_superseded_instance_stops_and_spares_its_successor(start_registry) -> None:
+    """A new instance waits while its predecessor's record lives; once the predecessor
+    stalls past its TTL the successor registers, and the stalled one, when it wakes,
+    learns it was superseded: it stops and does not delete its successor's record."""
     registry = start_registry()
     old = node_record(ttl_s=3.0)  # renews every second; expires only after 3 s without
     new = node_record(old["node_id"], ttl_s=3.0)  # same node, new instance_id
     with RegistryClient(registry.url) as old_client, RegistryClient(registry.url) as new_client:
-        old_client.register(old)
-        new_client.register(new)
-        wait_for(lambda: old_client.heartbeat_stats.superseded, 30, "409 on the old instance")
-        wait_for(lambda: not old_client.heartbeat.running, 30, "old heartbeat to stop")
+        assert old_client.register(old) is not None
+        assert new_client.register(new) is None  # 409 node_id_in_use: keeps trying
+        time.sleep(1.5)
+        assert new_client.registered_node is None  # the old one still renews
+        old_client.heartbeat.stop()  # the old instance stalls, still registered
+        wait_for(lambda: new_client.registered_node is not None, 30,
+                 "the successor to register once the old record expired")
+        with pytest.raises(NodeSuperseded):
+            old_client.heartbeat.beat_once()  # the old instance wakes up
         assert old_client.deregister() is False  # must not delete the successor
         stored = new_client.get_node(new["node_id"], fresh=True)
-        assert stored.instance_id == new["instance_id"]
-        assert stored.previous_instance_id == old["instance_id"] and stored.generation == 2
+        assert stored.instance_id == new["instance_id"] and stored.generation == 1
     assert _status(registry, new["node_id"]) == 404  # the successor deregistered itself
 
 

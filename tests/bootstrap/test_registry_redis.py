@@ -24,28 +24,37 @@ def test_two_replicas_see_the_same_nodes(start_registry, redis_prefix: RedisPref
 
     clients = [httpx.Client(base_url=r.url, headers=auth) for r in (a, b)]
 
-    def put(i_record: tuple[int, dict]) -> int:
+    def put(i_record: tuple[int, dict]) -> tuple[int, str]:
         i, record = i_record
-        return clients[i % 2].put(f"/v1/nodes/{record['node_id']}", json=record).status_code
+        resp = clients[i % 2].put(f"/v1/nodes/{record['node_id']}", json=record)
+        return resp.status_code, resp.json().get("instance_secret")
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
-        assert set(pool.map(put, enumerate(records))) == {201}
+        answers = list(pool.map(put, enumerate(records)))
+    assert {status for status, _ in answers} == {201}
+    secrets = [secret for _, secret in answers]
     for client in clients:
         client.close()
     ids = {r["node_id"] for r in records}
     assert _ids(a.url) == _ids(b.url) == ids
     assert _ids(a.url, "decode") == _ids(b.url, "decode") == {r["node_id"] for r in records[1::2]}
 
-    # A restart registered through A is seen through B, with the replacement visible.
+    # A hand-over (the old instance's secret) registered through A is seen through B, with
+    # the replacement visible; without the secret it waits for the old record to expire.
     restarted = dict(records[0], instance_id=uuid.uuid4().hex)
-    httpx.put(f"{a.url}/v1/nodes/{restarted['node_id']}", json=restarted, headers=auth)
+    url = f"{a.url}/v1/nodes/{restarted['node_id']}"
+    assert httpx.put(url, json=restarted, headers=auth).status_code == 409
+    resp = httpx.put(url, json=restarted, headers=auth | {"X-Instance-Secret": secrets[0]})
+    assert resp.status_code == 200, resp.text
     seen = httpx.get(f"{b.url}/v1/nodes/{restarted['node_id']}").json()
     assert seen["instance_id"] == restarted["instance_id"]
     assert seen["previous_instance_id"] == records[0]["instance_id"] and seen["generation"] == 2
 
     # A delete through B is a delete through A.
     gone = records[1]["node_id"]
-    assert httpx.delete(f"{b.url}/v1/nodes/{gone}", headers=auth).status_code == 204
+    assert httpx.delete(f"{b.url}/v1/nodes/{gone}", headers=auth).status_code == 403
+    assert httpx.delete(f"{b.url}/v1/nodes/{gone}",
+                        headers=auth | {"X-Instance-Secret": secrets[1]}).status_code == 204
     assert httpx.get(f"{a.url}/v1/nodes/{gone}").status_code == 404
 
 
@@ -57,12 +66,19 @@ def test_registry_restart_keeps_every_node(start_registry, redis_prefix: RedisPr
         for i in range(20):
             record = node_record(role=("prefill", "decode")[i % 2], ttl_s=60)
             resp = client.put(f"/v1/nodes/{record['node_id']}", json=record)
-            before[record["node_id"]] = resp.json()
+            before[record["node_id"]] = (record, resp.json())
 
     registry.restart()
 
     after = {n["node_id"]: n for n in httpx.get(f"{registry.url}/v1/nodes").json()["nodes"]}
-    assert after == before
+    secrets = {k: answer.pop("instance_secret") for k, (_, answer) in before.items()}
+    assert after == {k: answer for k, (_, answer) in before.items()}
+    # The secrets' hashes live in Redis with the records: renewals still need them.
+    node_id, (record, _) = next(iter(before.items()))
+    url = f"{registry.url}/v1/nodes/{node_id}"
+    assert httpx.put(url, json=record, headers=auth).status_code == 403
+    resp = httpx.put(url, json=record, headers=auth | {"X-Instance-Secret": secrets[node_id]})
+    assert resp.status_code == 200 and resp.json()["instance_secret"] is None
 
 
 def test_ttl_is_a_redis_expiry_and_keys_stay_under_the_prefix(

@@ -14,7 +14,7 @@ from bootstrap.backoff import Backoff
 from bootstrap.client_errors import NodeSuperseded, RegistryUnavailable
 from bootstrap.config import ConfigError, RegistryConfig
 from bootstrap.heartbeat import Heartbeat
-from bootstrap.lifecycle import DeleteOutcome, PutOutcome, apply_put, check_delete
+from bootstrap.lifecycle import SECRET_FIELD, DeleteOutcome, PutOutcome, apply_put, check_delete
 from bootstrap.record import NodeRecord, RegisteredNode, record_payload
 
 # ---- lifecycle ----------------------------------------------------------------------
@@ -22,26 +22,34 @@ from bootstrap.record import NodeRecord, RegisteredNode, record_payload
 
 def test_put_lifecycle_create_renew_replace_supersede() -> None:
     a = node_record("n1", instance_id="a")
-    outcome, rec = apply_put(None, a, 10.0, now=100.0)
-    assert outcome is PutOutcome.CREATED
+    outcome, rec = apply_put(None, a, 10.0, now=100.0, issued="sa")
+    assert outcome is PutOutcome.CREATED and rec[SECRET_FIELD] == "sa"
     assert (rec["registered_at"], rec["expires_at"], rec["generation"]) == (100.0, 110.0, 1)
 
-    outcome, rec = apply_put(rec, a, 10.0, now=105.0)
-    assert outcome is PutOutcome.RENEWED
+    assert apply_put(rec, a, 10.0, now=104.0) == (PutOutcome.FORBIDDEN, None)
+    assert apply_put(rec, a, 10.0, now=104.0, presented="sb") == (PutOutcome.FORBIDDEN, None)
+    outcome, rec = apply_put(rec, a, 10.0, now=105.0, presented="sa", issued="x")
+    assert outcome is PutOutcome.RENEWED and rec[SECRET_FIELD] == "sa"  # kept
     assert (rec["registered_at"], rec["renewed_at"], rec["expires_at"]) == (100.0, 105.0, 115.0)
 
     b = dict(a, instance_id="b")
-    outcome, rec = apply_put(rec, b, 5.0, now=106.0)
-    assert outcome is PutOutcome.REPLACED
+    assert apply_put(rec, b, 5.0, now=106.0, issued="sb") == (PutOutcome.IN_USE, None)
+    outcome, rec = apply_put(rec, b, 5.0, now=106.0, presented="sa", issued="sb")  # hand-over
+    assert outcome is PutOutcome.REPLACED and rec[SECRET_FIELD] == "sb"
     assert (rec["registered_at"], rec["generation"], rec["previous_instance_id"]) == (106.0, 2, "a")
 
-    assert apply_put(rec, a, 10.0, now=107.0) == (PutOutcome.SUPERSEDED, None)
-    outcome, rec = apply_put(rec, dict(a, instance_id="c"), 5.0, now=108.0)
+    assert apply_put(rec, a, 10.0, now=107.0, presented="sa") == (PutOutcome.SUPERSEDED, None)
+    outcome, rec = apply_put(rec, dict(a, instance_id="c"), 5.0, now=108.0, presented="sb",
+                             issued="sc")
     assert (outcome, rec["generation"], rec["previous_instance_id"]) == (
         PutOutcome.REPLACED,
         3,
         "b",
     )
+    # A record stored without a secret (an older registry's) is anyone's; it gets one.
+    legacy = {k: v for k, v in rec.items() if k != SECRET_FIELD}
+    outcome, rec = apply_put(legacy, dict(a, instance_id="c"), 5.0, now=109.0, issued="sd")
+    assert outcome is PutOutcome.RENEWED and rec[SECRET_FIELD] == "sd"
 
 
 def test_delete_rule() -> None:
@@ -50,6 +58,10 @@ def test_delete_rule() -> None:
     assert check_delete(rec, None) is DeleteOutcome.DELETED
     assert check_delete(rec, "a") is DeleteOutcome.DELETED
     assert check_delete(rec, "b") is DeleteOutcome.INSTANCE_MISMATCH
+    rec = {"instance_id": "a", SECRET_FIELD: "sa"}
+    assert check_delete(rec, "a") is DeleteOutcome.FORBIDDEN
+    assert check_delete(rec, None, "sb") is DeleteOutcome.FORBIDDEN
+    assert check_delete(rec, "a", "sa") is DeleteOutcome.DELETED
 
 
 # ---- backoff ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ def register_fields(backend: str, **overrides: Any) -> dict[str, Any]:
         "v_ptrs": [base + (n + i) * (1 << 24) for i in range(n)],
         "buf_lens": [64 * page_bytes] * n, "meta_ptrs": [base - (1 << 24), base - (1 << 23)],
         "meta_row_bytes": list(META_ROW_BYTES), "meta_rows": 8, "tp_rank": 0, "tp_size": 1,
+        "token": "",
     }
     return fields | overrides
 

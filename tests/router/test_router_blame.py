@@ -28,7 +28,9 @@ def test_decode_503_prefill_unavailable_blames_the_prefill_and_retries(stack, of
     # An idle ghost: a copied load (the real node busy with another module's traffic at
     # that moment) would sort it behind the real node forever, and it would never be picked.
     ghost["load"] = {k: 0 for k in ghost.get("load") or {}}
-    assert httpx.put(f"{registry}/v1/nodes/{GHOST}", json=ghost, timeout=10).status_code == 201
+    put = httpx.put(f"{registry}/v1/nodes/{GHOST}", json=ghost, timeout=10)
+    assert put.status_code == 201
+    mine = {"X-Instance-Secret": put.json()["instance_secret"]}  # to delete it later
     # This router reads the registry at start and then only every 10 minutes: it keeps
     # the ghost after the ghost has left the registry. No prefix affinity: by load, ties
     # at random, so the ghost is chosen about every other time while its breaker allows.
@@ -37,7 +39,8 @@ def test_decode_503_prefill_unavailable_blames_the_prefill_and_retries(stack, of
     try:
         url = router.wait_ready()
         assert GHOST in router_nodes(url)
-        assert httpx.delete(f"{registry}/v1/nodes/{GHOST}", timeout=10).status_code == 204
+        assert httpx.delete(f"{registry}/v1/nodes/{GHOST}", headers=mine,
+                            timeout=10).status_code == 204
 
         # Requests until the ghost was picked (ties between the two prefill nodes are
         # broken at random), at least N_REQUESTS and at most 4x as many.
@@ -66,4 +69,4 @@ def test_decode_503_prefill_unavailable_blames_the_prefill_and_retries(stack, of
         assert retries and float(retries[0].split()[-1]) >= 1, retries
     finally:
         router.terminate()
-        httpx.delete(f"{registry}/v1/nodes/{GHOST}", timeout=10)
+        httpx.delete(f"{registry}/v1/nodes/{GHOST}", headers=mine, timeout=10)
