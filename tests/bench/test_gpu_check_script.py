@@ -25,6 +25,7 @@ def test_gitignore_keeps_carried_wheels_out_of_git() -> None:
     assert ".whl/" in (REPO / ".gitignore").read_text().split()
 
 
+@pytest.mark.slow  # ~2 min: every step of the device check on the CPU (scripts/slow_checks.sh)
 @pytest.mark.timeout(900)
 def test_cpu_dry_run_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -154,6 +154,7 @@ def test_smollm2_converted_weights_are_the_gguf_values():
     assert torch.equal(ours[down], ref[down])
 
 
+@pytest.mark.slow  # the converted weights equal the GGUF's (above): the same greedy tokens
 def test_smollm2_greedy_matches_transformers_on_the_gguf():
     import torch
 

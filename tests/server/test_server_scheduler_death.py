@@ -56,7 +56,9 @@ def test_scheduler_death_ends_streams_turns_health_503_and_the_node_exits_1(node
     _exits_1_on_its_own(node)
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+# The hicache fault (the copy thread) is the same path as the forward one: the slow run.
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) if f == "hicache"
+                                   else f for f in sorted(FAULTS)])
 def test_an_engine_thread_fault_stops_the_node_with_its_traceback(tmp_path_factory, fault):
     log_dir = tmp_path_factory.mktemp(f"fault-{fault}")
     site = log_dir / "site"
