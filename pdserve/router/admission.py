@@ -35,7 +35,8 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         self.waiters.append(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for (see Flow._bounded)
+                await asyncio.shield(fut)
         except TimeoutError:
             if not fut.done():
                 self.waiters.remove(fut)

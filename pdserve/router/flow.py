@@ -175,7 +175,10 @@ class Flow:
     async def _bounded(self, awaitable):
         remaining = self.deadline - time.perf_counter()
         try:
-            return await asyncio.wait_for(awaitable, max(remaining, 0.001))
+            # Not wait_for: on Python 3.11 it drops a cancellation that lands as the
+            # awaitable completes (pdserve/router/legs.py: stall_guarded).
+            async with asyncio.timeout(max(remaining, 0.001)):
+                return await awaitable
         except TimeoutError:
             raise ApiError(408, f"request timed out after {self.timeout_s:g}s",
                            "timeout") from None

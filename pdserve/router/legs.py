@@ -169,7 +169,11 @@ async def stall_guarded(lines: AsyncIterator[str], stall_s: float) -> AsyncItera
     while True:
         try:
             if stall_s > 0:
-                line = await asyncio.wait_for(anext(lines), stall_s)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation
+                # that lands as the next line arrives, and the leg would then read on to the
+                # end (its decode node generating every token for a client that left).
+                async with asyncio.timeout(stall_s):
+                    line = await anext(lines)
             else:
                 line = await anext(lines)
         except StopAsyncIteration:

@@ -164,8 +164,11 @@ class Frontend:
                 raise ApiError(408, f"request timed out after {self.cfg.request_timeout_s:g}s",
                                "timeout")
             try:
-                return await asyncio.wait_for(handle.updates.get(),
-                                              min(remaining, DISCONNECT_CHECK_S))
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation
+                # (the client left) that lands as an update arrives, and the stream would
+                # then run on to the end, the request never aborted.
+                async with asyncio.timeout(min(remaining, DISCONNECT_CHECK_S)):
+                    return await handle.updates.get()
             except TimeoutError:
                 if disconnected is not None and await disconnected():
                     return None
