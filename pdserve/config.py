@@ -49,6 +49,8 @@ class EngineConfig:
     disable_mixed_batches: bool = False
     seed: int = 0
     model_cache_dir: str = ""  # where built-in models are converted/generated; "" = user cache
+    revision: str = ""  # Hub models (ORG/NAME): branch, tag or commit; "" = main
+    load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights
     # HiCache: a host-memory KV tier behind the radix cache (docs/architecture.md: HiCache).
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # host pages / device pages (when hicache_size is 0)
@@ -92,6 +94,8 @@ class EngineConfig:
                              f"{self.consecutive_prefill!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto|dummy, got {self.load_format!r}")
         if self.kernels not in ("auto", "native", "torch"):
             raise ValueError(f"kernels must be auto|native|torch, got {self.kernels!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -183,7 +187,9 @@ HICACHE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_STORAGE_BACKENDS = ("", "file", "mooncake")
 
 _HELP = {
-    "model": "built-in name (smollm2-135m, tiny-llama, tiny-qwen2) or a local HF folder",
+    "model": "built-in name (smollm2-135m, tiny-llama, tiny-qwen2), a local HF folder, or "
+             "a Hugging Face Hub repository id ORG/NAME (downloaded into the Hub cache; "
+             "HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply)",
     "dtype": "weight and KV dtype: auto|bfloat16|float16|float32",
     "device": "auto|cpu|cuda[:N]",
     "kernels": "decoder-layer ops: native (fused CPU kernels, built once with the C++ "
@@ -221,7 +227,13 @@ _HELP = {
                              "batch (by default a prefill batch also advances every running "
                              "request by one token, so prompts do not stall decoding)",
     "seed": "seed of the engine's sampler for unseeded requests",
-    "model_cache_dir": "where built-in models are converted/generated (default: user cache)",
+    "model_cache_dir": "where built-in models are converted/generated and, when set, Hub "
+                       "models are downloaded (<dir>/hub; default: the user cache and "
+                       "the Hub cache)",
+    "revision": "Hub models: the branch, tag or commit to load (empty: main)",
+    "load_format": "auto: read the checkpoint's safetensors; dummy: random weights of the "
+                   "checkpoint's shape, the same on every node (benchmarks without "
+                   "downloading weights)",
     "enable_hierarchical_cache": "HiCache: keep evicted prefix KV in a host-memory tier and "
                                  "load it back instead of recomputing",
     "hicache_ratio": "host KV tier size as a multiple of the device KV pool (> 0)",

@@ -49,7 +49,8 @@ class Engine:
             torch.set_num_threads(cfg.threads)
         self.device = cfg.torch_device()
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, self.device,
-                                              cfg.model_cache_dir)
+                                              cfg.model_cache_dir, cfg.revision,
+                                              cfg.load_format)
         self.ops_choice = choose_ops(cfg.kernels, self.device)
         self.attn_choice = choose_attention(cfg.attention_backend, self.ops_choice.ops,
                                             self.device)

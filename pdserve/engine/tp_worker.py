@@ -47,7 +47,8 @@ def serve(cfg: EngineConfig, rank: int, port: int, replies) -> None:
         torch.cuda.set_device(device)
     if cfg.threads:  # every rank runs the forward with the node's thread count
         torch.set_num_threads(cfg.threads)
-    loaded = load_model(cfg.model, cfg.dtype, device, cfg.model_cache_dir)
+    loaded = load_model(cfg.model, cfg.dtype, device, cfg.model_cache_dir, cfg.revision,
+                        cfg.load_format)
     base = choose_ops(cfg.kernels, device).ops  # the same ops as rank 0
     loaded.model.ops = choose_attention(cfg.attention_backend, base, device).ops
     plan = plan_tp(loaded.hf_config, cfg.tp_size, rank)

@@ -48,7 +48,7 @@ def resolve_folder(spec: str, build: bool = True) -> Path:
 
     if not build and spec in BUILTIN and not (cache_root() / spec / ".complete").exists():
         raise ValueError(f"built-in model {spec!r} is not in the cache yet")
-    return resolve_model(spec)
+    return resolve_model(spec, weights=False)  # a Hub name: its tokenizer files only
 
 
 def load_tokenizer(spec: str, build: bool = True) -> BenchTokenizer:

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdserve.models import smollm2, tiny
+from pdserve.models import hub, smollm2, tiny
 
 BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "synthetic-1b", "synthetic-tiny")
 # Written into each built folder's `.complete`; a folder built by an older converter
@@ -32,18 +32,24 @@ def cache_root(explicit: str = "") -> Path:
     return Path(base) / "pdserve" / "models"
 
 
-def resolve_model(name: str, cache_dir: str = "", tokenizer_dir: Path | None = None) -> Path:
-    """Return a local HF folder for `name` (a built-in name or a path), building it if needed.
+def resolve_model(name: str, cache_dir: str = "", tokenizer_dir: Path | None = None,
+                  revision: str = "", weights: bool = True) -> Path:
+    """Return a local HF folder for `name` (a built-in name, a path or a Hub repository id
+    ORG/NAME), building or downloading it if needed.
     `tokenizer_dir`: where a tiny/synthetic model takes its tokenizer files from (default:
-    the built smollm2-135m; scripts/gpu_check.sh passes carried files, no GGUF there)."""
+    the built smollm2-135m; scripts/gpu_check.sh passes carried files, no GGUF there).
+    `revision` and `weights` apply to Hub names (pdserve/models/hub.py)."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model folder {path} has no config.json")
         return path
     if name not in BUILTIN:
+        if hub.is_hub_name(name):
+            return hub.download(name, revision, cache_dir, weights)
         raise ValueError(
-            f"unknown model {name!r}: use a local HF folder or one of {', '.join(BUILTIN)}"
+            f"unknown model {name!r}: use a local HF folder, a Hub repository id (ORG/NAME) "
+            f"or one of {', '.join(BUILTIN)}"
         )
     root = cache_root(cache_dir)
     target = root / name

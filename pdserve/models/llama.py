@@ -1,7 +1,7 @@
 """Our Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with qk-norm).
 
 Parameter names mirror the HF checkpoints except two fused projections: q/k/v become
-one `qkv_proj` and gate/up one `gate_up_proj` (`fuse_hf_weights` concatenates them at
+one `qkv_proj` and gate/up one `gate_up_proj` (the loader copies each into its rows at
 load), so a layer runs 4 matmuls instead of 7: fewer, larger GEMMs are what a CPU (and
 a GPU at small batch) runs efficiently.
 

@@ -29,16 +29,20 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "dynamic":
             raise ValueError("rope_type 'dynamic' is not supported")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if rope_type == "default":
-            base = params["rope_theta"]
-            inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        # Computed on the host whatever the default device (the loader builds the model on
+        # the meta device, which has no real arithmetic); `Module.to` moves it.
+        with torch.device("cpu"):
+            if rope_type == "default":
+                base = params["rope_theta"]
+                inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float)
+                                      / head_dim))
+                scaling = 1.0
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            if rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ValueError(f"unsupported rope_type {rope_type!r}")
-            inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
+                if rope_type not in ROPE_INIT_FUNCTIONS:
+                    raise ValueError(f"unsupported rope_type {rope_type!r}")
+                inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.attention_scaling = float(scaling)
 

@@ -30,10 +30,13 @@ class RouterConfig:
                                         "Secret: the token stays out of the process list)")
     host: str = _opt("127.0.0.1", "address to bind")
     port: int = _opt(8000, "HTTP port")
-    model: str = _opt("", "model served (built-in name or local HF folder); empty: the model "
-                          "the first registered node serves. Nodes serving another are ignored")
+    model: str = _opt("", "model served (built-in name, local HF folder or Hub id ORG/NAME); "
+                          "empty: the model the first registered node serves. Nodes serving "
+                          "another are ignored")
     served_model_name: str = _opt("", "model name clients use (empty: the model)")
     model_cache_dir: str = _opt("", "where built-in models live (default: user cache)")
+    revision: str = _opt("", "Hub models: the revision whose tokenizer to load (the nodes' "
+                             "--revision; empty: main)")
     registry_poll_s: float = _opt(1.0, "seconds between reads of the registry's node list")
     max_running_requests: int = _opt(512, "requests dispatched to nodes at once")
     max_queued_requests: int = _opt(1024, "requests waiting for a dispatch slot; beyond: 429")

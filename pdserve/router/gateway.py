@@ -76,7 +76,7 @@ class Gateway:
         if self._tokenizer_task is None:
             self._tokenizer_task = asyncio.ensure_future(asyncio.to_thread(
                 RouterTokenizer, self.table.model, self.cfg.model_cache_dir,
-                self.cfg.chat_template))
+                self.cfg.chat_template, self.cfg.revision))
         try:
             self._tokenizer = await asyncio.shield(self._tokenizer_task)
         except Exception as exc:  # any loader failure: the model's files are unusable

@@ -37,7 +37,8 @@ def serve(cfg: RouterConfig) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     check_port_free(cfg.host, cfg.port)
     # With --model the tokenizer loads now, so a wrong model fails at start, not per request.
-    tokenizer = RouterTokenizer(cfg.model, cfg.model_cache_dir, cfg.chat_template) \
+    tokenizer = RouterTokenizer(cfg.model, cfg.model_cache_dir, cfg.chat_template,
+                                cfg.revision) \
         if cfg.model else None
     return asyncio.run(_serve_async(cfg, tokenizer))
 

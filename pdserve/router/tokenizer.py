@@ -20,11 +20,13 @@ FALLBACK_CONTEXT = 2048  # a config.json without max_position_embeddings
 
 
 class RouterTokenizer:
-    def __init__(self, model: str, cache_dir: str = "", chat_template: str = "") -> None:
+    def __init__(self, model: str, cache_dir: str = "", chat_template: str = "",
+                 revision: str = "") -> None:
         from pdserve.models.builtin import resolve_model
         from pdserve.models.tokenizer import load_tokenizer, read_chat_template
 
-        path = resolve_model(model, cache_dir)
+        # A Hub model: config and tokenizer files only, never the weights.
+        path = resolve_model(model, cache_dir, revision=revision, weights=False)
         self.model = model
         self.tok = load_tokenizer(path)
         if chat_template:  # --chat-template: the nodes are given the same file

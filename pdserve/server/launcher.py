@@ -78,7 +78,9 @@ def serve(cfg: ServerConfig) -> int:
         check_port_free(cfg.host, cfg.pd.bootstrap_port)
     from pdserve.models.builtin import resolve_model
 
-    path = resolve_model(cfg.engine.model, cfg.engine.model_cache_dir)  # clear error early
+    eng = cfg.engine  # clear error early; a Hub model is downloaded here, once
+    path = resolve_model(eng.model, eng.model_cache_dir, revision=eng.revision,
+                         weights=eng.load_format == "auto")
     with http_sock, tempfile.TemporaryDirectory(prefix="pdserve-") as ipc_dir:
         proc, to_sched, from_sched = start_scheduler(cfg, ipc_dir)
         try:

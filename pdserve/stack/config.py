@@ -20,7 +20,12 @@ _opt = opt  # short name for the field lists below
 @dataclass(frozen=True)
 class StackConfig:
     model: str = _opt("", "model of every node: built-in name (smollm2-135m, tiny-llama, "
-                          "tiny-qwen2) or a local HF folder")
+                          "tiny-qwen2), a local HF folder or a Hub id ORG/NAME")
+    revision: str = _opt("", "Hub models: the branch, tag or commit every node and the "
+                             "router load (empty: main)")
+    load_format: str = _opt("auto", "the nodes' --load-format: auto (the checkpoint's "
+                                    "weights) or dummy (random weights of its shape)",
+                            choices=("auto", "dummy"))
     prefill: int = _opt(1, "prefill nodes")
     decode: int = _opt(1, "decode nodes")
     host: str = _opt("127.0.0.1", "address the router binds (the rest stay on loopback)")

@@ -71,7 +71,9 @@ class Stack:
         from pdserve.models.builtin import resolve_model
 
         try:
-            resolve_model(cfg.model)
+            # A Hub model: config and tokenizer now (a wrong name fails here, before any
+            # child starts); the nodes fetch the weights themselves.
+            resolve_model(cfg.model, revision=cfg.revision, weights=False)
         except (ValueError, RuntimeError, OSError) as exc:
             raise StackError(f"--model {cfg.model!r}: {exc}") from exc
         self.backend = cfg.transfer_backend or self._default_backend()
@@ -134,7 +136,10 @@ class Stack:
     def _node(self, name: str, role: str, port: int) -> Member:
         cfg = self.cfg
         url = f"http://{LOOPBACK}:{port}"
-        common = ["--model", cfg.model, "--host", LOOPBACK, "--port", str(port)]
+        common = ["--model", cfg.model, "--host", LOOPBACK, "--port", str(port),
+                  "--load-format", cfg.load_format]
+        if cfg.revision:
+            common += ["--revision", cfg.revision]
         cmd = [sys.executable, "-m", "pdserve.cli", role, *common,
                "--registry", self.registry_url, "--node-id", name]
         if cfg.registry_token:
@@ -194,6 +199,8 @@ class Stack:
         self.router_url = f"http://{host}:{port}"
         cmd = [sys.executable, "-m", "pdserve.cli", "router", "--registry", self.registry_url,
                "--host", cfg.host, "--port", str(port), "--model", cfg.model]
+        if cfg.revision:
+            cmd += ["--revision", cfg.revision]
         if cfg.registry_token:
             cmd += ["--registry-token-file", self._token_file()]
         cmd += shlex.split(cfg.router_args)

@@ -156,3 +156,30 @@ def test_kv_store_gives_prefill_pods_a_mooncake_tier(render):
     assert ns.hicache_storage_backend == "mooncake" and ns.enable_hierarchical_cache
     assert not any(d.get("metadata", {}).get("name") == f"{FULLNAME}-kv-store"
                    for d in render())
+
+
+def test_a_hub_model_gets_its_revision_load_format_and_token_file(render):
+    docs = render(None, {"model.name": '"acme/big-model"', "model.revision": '"v1.2"',
+                         "model.loadFormat": '"dummy"', "model.hfTokenSecret": '"hf-token"',
+                         "model.prepare": "true"})
+    for name in ("prefill", "decode", "router"):
+        w = tier(docs, name)
+        spec = w["spec"]["template"]["spec"]
+        secret = [v for v in spec["volumes"] if v["name"] == "hf-token"]
+        assert secret == [{"name": "hf-token", "secret": {"secretName": "hf-token"}}]
+        for c in (main_container(w), *spec.get("initContainers", [])):
+            argv = pdserve_argv(c)
+            ns = parse(substitute(argv, env_names(c)))
+            assert (ns.model, ns.revision) == ("acme/big-model", "v1.2"), c["name"]
+            if argv[0] != "router":
+                assert ns.load_format == "dummy", c["name"]
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            path = env["HF_TOKEN_PATH"]  # a file: the token is in no env value, no argument
+            mounts = [m for m in c["volumeMounts"] if m["name"] == "hf-token"]
+            assert mounts and path.startswith(mounts[0]["mountPath"] + "/"), c["name"]
+            assert all(e["name"] != "HF_TOKEN" for e in c.get("env", []))
+    plain = render(None)
+    for w in workloads(plain):
+        for c in containers(w):
+            assert "--revision" not in (pdserve_argv(c) or [])
+            assert all(e["name"] != "HF_TOKEN_PATH" for e in c.get("env", []))

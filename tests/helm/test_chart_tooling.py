@@ -32,7 +32,8 @@ PREREQUISITES = {
                           "autoscaling.decode.kind": '"keda"'},
 }
 # Values with a closed set of choices: the other choice (any other string fails the render).
-CHOICES = {"autoscaling.prefill.kind": "keda", "autoscaling.decode.kind": "keda"}
+CHOICES = {"autoscaling.prefill.kind": "keda", "autoscaling.decode.kind": "keda",
+           "model.loadFormat": "dummy"}
 # A fixed token, so that renders compare equal (the default one is random).
 BASE = {"registry.auth.token": '"fixed"'}
 

@@ -64,6 +64,17 @@ mounted file (pdserve.tokenMount), never an env var or an argument. */}}
       fieldPath: metadata.name
 - name: PYTHONUNBUFFERED
   value: "1"
+{{- with (include "pdserve.hfTokenEnv" . | trim) }}
+{{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* A Hub token (model.hfTokenSecret) as a mounted file that huggingface_hub reads. */}}
+{{- define "pdserve.hfTokenEnv" -}}
+{{- if .Values.model.hfTokenSecret }}
+- name: HF_TOKEN_PATH
+  value: /etc/pdserve/hf-token/token
+{{- end }}
 {{- end -}}
 
 {{/* The registry token Secret as a file: volume, mount, and the flag pointing at it. */}}
@@ -225,6 +236,11 @@ topologySpreadConstraints:
 - name: model-cache
   emptyDir: {}
 {{- end }}
+{{- with .Values.model.hfTokenSecret }}
+- name: hf-token
+  secret:
+    secretName: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdserve.modelMounts" -}}
@@ -236,6 +252,11 @@ topologySpreadConstraints:
 {{- if and .Values.model.prepare (not .Values.model.volume) }}
 - name: model-cache
   mountPath: {{ include "pdserve.cacheDir" . }}
+{{- end }}
+{{- if .Values.model.hfTokenSecret }}
+- name: hf-token
+  mountPath: /etc/pdserve/hf-token
+  readOnly: true
 {{- end }}
 {{- end -}}
 
@@ -253,6 +274,12 @@ initContainers:
       - {{ .Values.model.name | quote }}
       - --model-cache-dir
       - {{ include "pdserve.cacheDir" . | quote }}
+      {{- with .Values.model.revision }}
+      - --revision
+      - {{ . | quote }}
+      {{- end }}
+      - --load-format
+      - {{ .Values.model.loadFormat | quote }}
       - --device
       - cpu
       - --max-new-tokens
@@ -263,6 +290,10 @@ initContainers:
     securityContext:
       {{- toYaml . | nindent 6 }}
     {{- end }}
+    {{- with (include "pdserve.hfTokenEnv" . | trim) }}
+    env:
+      {{- . | nindent 6 }}
+    {{- end }}
     volumeMounts:
       {{- if .Values.model.volume }}
       - name: models
@@ -270,6 +301,11 @@ initContainers:
       {{- else }}
       - name: model-cache
         mountPath: {{ include "pdserve.cacheDir" . }}
+      {{- end }}
+      {{- if .Values.model.hfTokenSecret }}
+      - name: hf-token
+        mountPath: /etc/pdserve/hf-token
+        readOnly: true
       {{- end }}
 {{- end }}
 {{- end -}}

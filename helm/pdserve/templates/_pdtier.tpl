@@ -94,6 +94,12 @@ spec:
             {{- end }}
             - --model-cache-dir
             - {{ include "pdserve.cacheDir" $ | quote }}
+            {{- with $.Values.model.revision }}
+            - --revision
+            - {{ . | quote }}
+            {{- end }}
+            - --load-format
+            - {{ $.Values.model.loadFormat | quote }}
             - --registry
             - {{ include "pdserve.registryUrl" $ | quote }}
             {{- if $.Values.registry.auth.enabled }}
