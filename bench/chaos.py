@@ -1,12 +1,17 @@
-"""Chaos soak: a 2P2D stack (bench/chaos_cluster.py) under steady greedy load for a while,
-while a seeded schedule kills -9 and restarts prefill nodes, decode nodes and the
-registry, pauses a node (SIGSTOP, then SIGCONT) and clients drop their connections
-mid-stream. Bounded in time, loopback only, stops everything by itself.
+"""Chaos soak: a 2P2D stack (bench/chaos_cluster.py) under steady mixed load for a while
+(bench/chaos_requests.py: the three HTTP APIs, streaming or not, greedy or sampled, with
+or without logprobs), while a seeded schedule kills -9 and restarts prefill nodes, decode
+nodes (one of them while it holds requests before their first token) and the registry,
+pauses a node (SIGSTOP, then SIGCONT) and clients drop their connections mid-stream.
+Bounded in time, loopback only, stops everything by itself.
 
-At the end every request must have either completed with exactly the offline greedy
-output, or failed with a clear error (an HTTP error status with a JSON message, or an
-in-band error event) within its deadline; nothing may hang; and every live node must
-report its KV pages, request slots, metadata rows and transfer rooms back to full/empty.
+At the end every request must have either completed right (greedy: exactly the offline
+engine's output; logprobs: one per token; sampled: complete), or failed with a clear error
+(an HTTP error status with a JSON message, or an in-band error event) within its deadline
+after some output reached the client (a failure before any output is one the router
+could have retried: none may remain); nothing may hang; and every live node must report
+its KV pages, request slots, metadata rows, transfer rooms and quarantined pages back to
+full/empty.
 
     python bench/chaos.py [--quick] [--minutes M] [--seed S] [--faults KIND,...] [--out PATH]
 
@@ -23,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -31,64 +35,15 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
 from chaos_cluster import MODEL, Cluster, Member  # noqa: E402
+from chaos_requests import Outcome, make_outcome, one_request, wrong  # noqa: E402
 
 DEADLINE_S = 150.0  # per request: the router's --request-timeout-s (120) plus slack
 
 
-@dataclass
-class Outcome:
-    prompt: list[int]
-    max_new: int
-    kind: str = "normal"  # normal | drop (the client leaves after two events)
-    result: str = "hung"  # ok | error | dropped | unclear | hung
-    ids: list[int] = field(default_factory=list)
-    error: str = ""
-    seconds: float = 0.0
-    started: float = 0.0  # seconds after the soak began
-
-
-async def one_request(client: httpx.AsyncClient, router: str, o: Outcome) -> None:
-    body = {"input_ids": o.prompt, "stream": True, "sampling_params": {
-        "max_new_tokens": o.max_new, "temperature": 0, "ignore_eos": True}}
-    t0 = time.monotonic()
-    o.started = t0 - T0
-    try:
-        await asyncio.wait_for(_stream(client, router, body, o), DEADLINE_S)
-    except TimeoutError:
-        o.result, o.error = "hung", f"no end within {DEADLINE_S:.0f}s"
-    except httpx.HTTPError as exc:
-        o.result, o.error = "unclear", f"transport: {exc!r}"
-    o.seconds = time.monotonic() - t0
-
-
-async def _stream(client: httpx.AsyncClient, router: str, body: dict, o: Outcome) -> None:
-    async with client.stream("POST", f"{router}/generate", json=body) as resp:
-        if resp.status_code != 200:
-            await resp.aread()
-            try:
-                msg = resp.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = ""
-            o.result = "error" if msg else "unclear"
-            o.error = f"{resp.status_code}: {msg or resp.text[:100]}"
-            return
-        events = 0
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                o.result = "ok"
-                return
-            event = json.loads(line[6:])
-            if "error" in event:
-                o.result, o.error = "error", f"in-band: {event['error'].get('message')}"
-                return
-            o.ids = event["output_ids"]
-            events += 1
-            if o.kind == "drop" and events >= 2:
-                o.result = "dropped"
-                return
-        o.result, o.error = "unclear", "stream ended without [DONE] or an error"
+async def send(router: str, o: Outcome, out: list[Outcome]) -> None:
+    out.append(o)
+    async with httpx.AsyncClient(timeout=None) as client:
+        await one_request(client, router, MODEL, o, T0, DEADLINE_S)
 
 
 async def load(router: str, workers: int, stop: asyncio.Event, rng: random.Random,
@@ -96,10 +51,9 @@ async def load(router: str, workers: int, stop: asyncio.Event, rng: random.Rando
     async def worker() -> None:
         async with httpx.AsyncClient(timeout=None) as client:
             while not stop.is_set():
-                o = Outcome([rng.randrange(10, 40000) for _ in range(rng.randrange(8, 160))],
-                            rng.randrange(4, 48), "drop" if rng.random() < 0.1 else "normal")
+                o = make_outcome(rng)
                 out.append(o)
-                await one_request(client, router, o)
+                await one_request(client, router, MODEL, o, T0, DEADLINE_S)
 
     await asyncio.gather(*(worker() for _ in range(workers)))
 
@@ -112,20 +66,59 @@ def pick_victim(cluster: Cluster, role: str, rng: random.Random) -> Member | Non
     return rng.choice(ready) if len(ready) >= 2 else None
 
 
-FAULTS = ["kill_decode", "kill_prefill", "kill_registry", "pause_node"]
+FAULTS = ["kill_decode_early", "kill_decode", "kill_prefill", "kill_registry", "pause_node"]
+BURST = 8  # kill_decode_early: long prompts sent at once, so some wait for their first token
+
+
+def waiting_for_first_token(m: Member) -> int:
+    """Requests a decode node holds that have no first token yet (pages allocated, KV on
+    its way): its pre-allocation and transfer queues."""
+    try:
+        role = (httpx.get(f"{m.url}/server_info", timeout=2).json().get("stats") or {}
+                ).get("role") or {}
+    except (httpx.HTTPError, ValueError):
+        return 0
+    return int(role.get("prealloc_queue", 0)) + int(role.get("transfer_queue", 0))
+
+
+async def early_victim(cluster: Cluster, rng: random.Random,
+                       outcomes: list[Outcome]) -> tuple[Member | None, list]:
+    """Send a burst of long greedy prompts, then find a decode node holding some of them
+    before their first token (while another decode is ready). The burst's requests are
+    judged like every other: a retry on the other pair must serve them."""
+    burst = []
+    for _ in range(BURST):
+        o = Outcome([rng.randrange(10, 40000) for _ in range(rng.randrange(600, 900))],
+                    rng.randrange(4, 48), logprobs=rng.random() < 0.5)
+        burst.append(asyncio.create_task(send(cluster.router, o, outcomes)))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        ready = [m for m in cluster.nodes() if m.name.startswith("decode") and m.alive
+                 and not m.paused]
+        if len(ready) >= 2:
+            held = await asyncio.gather(*(asyncio.to_thread(waiting_for_first_token, m)
+                                          for m in ready))
+            busy = [m for m, n in zip(ready, held, strict=True) if n]
+            if busy:
+                return rng.choice(busy), burst
+        await asyncio.sleep(0.02)
+    return None, burst
 
 
 async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: asyncio.Event,
-                 log: Counter, kinds: list[str]) -> None:
-    i = 0
+                 log: Counter, kinds: list[str], outcomes: list[Outcome]) -> None:
+    i, pending = 0, []
     while not stop.is_set():
         await asyncio.sleep(interval_s * rng.uniform(0.6, 1.4))
         if stop.is_set():
-            return
+            break
         kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
         i += 1
         if kind == "kill_registry":
             victim: Member | None = cluster.members["registry"]
+        elif kind == "kill_decode_early":
+            victim, burst = await early_victim(cluster, rng, outcomes)
+            pending += burst
         else:
             role = {"kill_prefill": "prefill", "kill_decode": "decode"}.get(kind) \
                 or rng.choice(["prefill", "decode"])  # pause_node: either role
@@ -145,6 +138,7 @@ async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: 
             await asyncio.to_thread(victim.kill9)
             await asyncio.sleep(0.5)
             victim.spawn()  # comes back as a new instance on the same port
+    await asyncio.gather(*pending)
 
 
 def leaks(cluster: Cluster, timeout_s: float = 90) -> dict[str, str]:
@@ -172,20 +166,37 @@ def _not_full(url: str) -> str:
         "queues": not any(v for k, v in role.items() if k.endswith("_queue")),
         "metadata rows": role.get("free_metadata_slots", 0) == role.get("total_metadata_slots",
                                                                          0),
-        "rooms": not (role.get("transfer") or {}).get("live_rooms")}
+        "rooms": not (role.get("transfer") or {}).get("live_rooms"),
+        "quarantined pages": not (role.get("transfer") or {}).get("quarantined_pages")}
     return ", ".join(k for k, ok in checks.items() if not ok)
 
 
-def reference(outcomes: list[Outcome]) -> list[list[int]]:
+def reference(outcomes: list[Outcome]) -> list[tuple[list[int], str]]:
+    """The offline engine's greedy (ids, text) for each of `outcomes` (chat prompts through
+    the model's chat template, as the router renders them)."""
     from pdserve import LLM, SamplingParams
+    from pdserve.http.protocol import chat_prompt_ids
 
     llm = LLM(MODEL)
     try:
         params = [SamplingParams(max_new_tokens=o.max_new, temperature=0, ignore_eos=True)
                   for o in outcomes]
-        return [r.output_ids for r in llm.generate([o.prompt for o in outcomes], params)]
+        prompts = [chat_prompt_ids(llm.tokenizer, o.messages) if o.api == "chat" else o.prompt
+                   for o in outcomes]
+        return [(r.output_ids, r.text) for r in llm.generate(prompts, params)]
     finally:
         llm.close()
+
+
+def router_counters(router: str) -> dict[str, float]:
+    """The router's retry and migration counters (pdserve_router_*_total)."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(f"{router}/metrics", timeout=5).text.splitlines():
+            for name in ("retries", "migrations"):
+                if line.startswith(f"pdserve_router_{name}_total"):
+                    out[name] = out.get(name, 0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 async def soak(cluster: Cluster, args) -> tuple[list[Outcome], Counter]:
@@ -194,7 +205,7 @@ async def soak(cluster: Cluster, args) -> tuple[list[Outcome], Counter]:
     loader = asyncio.create_task(load(cluster.router, args.workers, stop_load,
                                       random.Random(args.seed + 1), outcomes))
     chaos = asyncio.create_task(faults(cluster, rng, args.fault_interval_s, stop_faults,
-                                       fault_log, args.faults))
+                                       fault_log, args.faults, outcomes))
     await asyncio.sleep(args.minutes * 60)
     stop_faults.set()
     await chaos
@@ -220,8 +231,8 @@ def main() -> int:
     args.faults = args.faults.split(",")
     if bad := set(args.faults) - set(FAULTS):
         p.error(f"unknown fault kind(s) {sorted(bad)}; choose from {FAULTS}")
-    if args.quick:
-        args.minutes, args.fault_interval_s, args.workers = 0.75, 10.0, 4
+    if args.quick:  # every fault kind once, on average, within the run
+        args.minutes, args.fault_interval_s, args.workers = 0.9, 9.0, 4
     global T0
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
     cluster = Cluster(log_dir, 2, 2, args.backend)
@@ -230,6 +241,7 @@ def main() -> int:
         T0 = time.monotonic()
         outcomes, fault_log = asyncio.run(soak(cluster, args))
         leaked = leaks(cluster)
+        router = router_counters(cluster.router)
         for name in leaked:  # what the node held, for whoever reads the failure
             m = cluster.members[name]
             with contextlib.suppress(httpx.HTTPError):
@@ -237,30 +249,44 @@ def main() -> int:
                     httpx.get(f"{m.url}/server_info", timeout=5).text)
     finally:
         cluster.stop()
-    return verdict(outcomes, fault_log, leaked, args, log_dir)
+    return verdict(outcomes, fault_log, leaked, router, args, log_dir)
 
 
-def verdict(outcomes: list[Outcome], fault_log: Counter, leaked: dict, args, log_dir) -> int:
+def verdict(outcomes: list[Outcome], fault_log: Counter, leaked: dict, router: dict, args,
+            log_dir) -> int:
     ok = [o for o in outcomes if o.result == "ok"]
-    refs = reference(ok) if ok else []
-    wrong = sum(o.ids != r for o, r in zip(ok, refs, strict=True))
+    greedy = [o for o in ok if o.greedy]
+    refs = dict(zip(map(id, greedy), reference(greedy), strict=True)) if greedy else {}
+    wrongs = [(o, why) for o in ok
+              if (why := wrong(o, *refs.get(id(o), (None, None))))]
     by = Counter(o.result for o in outcomes)
+    failed = [o for o in outcomes if o.result in ("error", "unclear", "hung")]
+    # Nothing had reached the client: the router could have served these on another pair.
+    retryable = [o for o in failed if not o.output_seen]
     causes = Counter(o.error.split(":")[0] + ": " + o.error.split(":", 1)[-1][:60]
-                     for o in outcomes if o.result in ("error", "unclear", "hung"))
+                     for o in failed)
     rows = [{"what": k, "count": v} for k, v in sorted({**by, **fault_log}.items())]
+    rows += [{"what": f"router {k}", "count": v} for k, v in sorted(router.items())]
+    rows += [{"what": f"ok {k}", "count": v}
+             for k, v in sorted(Counter(o.label() for o in ok).items())]
     rows += [{"what": f"failed: {k}", "count": v} for k, v in causes.most_common(8)]
+    rows += [{"what": f"wrong {o.label()}: {why}", "count": 1} for o, why in wrongs[:8]]
     print_table(rows, ["what", "count"])
-    summary = {"requests": len(outcomes), "ok": by["ok"], "exact": len(ok) - wrong,
-               "wrong_output": wrong, "failed_clear": by["error"], "unclear": by["unclear"],
+    summary = {"requests": len(outcomes), "ok": by["ok"], "exact": len(ok) - len(wrongs),
+               "wrong_output": len(wrongs), "failed_clear": by["error"],
+               "retryable_failures": len(retryable), "unclear": by["unclear"],
                "hung": by["hung"], "dropped_by_client": by["dropped"],
-               "faults": dict(fault_log), "leaks": leaked, "log_dir": str(log_dir),
+               "ok_by_kind": dict(Counter(o.label() for o in ok)),
+               "faults": dict(fault_log), "router": router, "leaks": leaked,
+               "log_dir": str(log_dir),
                # when each failure started and how long it took, to match with the logs
                "failures": [{"started_s": round(o.started, 1), "seconds": round(o.seconds, 1),
-                             "result": o.result, "error": o.error[:300]}
-                            for o in outcomes if o.result in ("error", "unclear", "hung")]}
-    summary["passed"] = bool(outcomes and ok and not wrong and not by["unclear"]
-                             and not by["hung"] and not leaked)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("faults", "failures")}))
+                             "kind": o.label(), "result": o.result, "error": o.error[:300]}
+                            for o in failed]}
+    summary["passed"] = bool(outcomes and ok and not wrongs and not retryable
+                             and not by["unclear"] and not by["hung"] and not leaked)
+    print(json.dumps({k: v for k, v in summary.items()
+                      if k not in ("faults", "failures", "ok_by_kind")}))
     write_json(args.out, summary, rows, args)
     return 0 if summary["passed"] else 1
 
