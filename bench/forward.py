@@ -50,24 +50,22 @@ def memcpy_read_gbs(mib: int = 256) -> float:
 def meta_for(rows: int, q_len: int, ctx: int, paged: bool = False, extend: bool = False
              ) -> tuple[AttnMeta, torch.Tensor, torch.Tensor]:
     """Rows with `ctx` tokens each, the last `q_len` of them new; pages laid out in order.
-    `paged`: one-token rows go to the paged decode kernel; `extend`: the others to the
-    paged prompt kernel (ops that have them), as the model runner groups them."""
+    `paged`: one-token rows go to the paged decode kernel; `extend`: fresh rows too read
+    the pool (ops with a paged prompt kernel), as the model runner groups them."""
     pages = -(-ctx // PAGE)
     kv_pages = torch.arange(rows * pages).view(rows, pages)
     slots = (kv_pages[:, :, None] * PAGE + torch.arange(PAGE)).view(rows, -1)[:, :ctx]
     q_pos = torch.arange(ctx - q_len, ctx).repeat(rows, 1)  # [B, Lq]
-    key_pos = torch.arange(pages * PAGE)
-    mask = (key_pos.view(1, 1, -1) <= q_pos.view(rows, q_len, 1)).unsqueeze(1)
     dec = paged and q_len == 1
-    ext = extend and not dec
+    fresh = q_len == ctx and not extend and not dec
+    pooled = not dec and not fresh
     meta = AttnMeta(out_cache_loc=slots[:, ctx - q_len:].reshape(-1), kv_pages=kv_pages,
-                    mask=None if dec else mask, q_index=None, batch=0 if dec else rows,
-                    max_q=q_len, page_size=PAGE,
+                    batch=0 if dec else rows, page_size=PAGE,
                     seq_lens=torch.full((rows,), ctx) if dec else None,
                     decode_pages=kv_pages if dec else None,
-                    fresh_lens=(q_len,) * rows if q_len == ctx and not ext else None,
-                    extend_starts=(ctx - q_len,) * rows if ext else None,
-                    extend_lens=(q_len,) * rows if ext else None)
+                    fresh_lens=(q_len,) * rows if fresh else None,
+                    extend_starts=(ctx - q_len,) * rows if pooled else None,
+                    extend_lens=(q_len,) * rows if pooled else None)
     return meta, q_pos.reshape(-1), torch.arange(q_len - 1, rows * q_len, q_len)
 
 

@@ -64,20 +64,19 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_siz
     rows = batch.rows
     q_lens = [r.q_len for r in rows]
     kv_lens = [r.start + r.q_len for r in rows]
-    b, lq, lk = len(rows), max(q_lens), max(kv_lens)
-    ids, pos, q_pos, q_index = [], [], torch.zeros(b, lq, dtype=torch.int64), []
+    lk = max(kv_lens)
+    ids: list[int] = []
+    pos: list[int] = []
     logit_rows, cursor = [], 0
     plp_rows: list[int] = []  # prompt logprob rows: index into the batch's tokens
     plp_targets: list[int] = []  # ... and the prompt token each one predicts
     plp_counts: list[int] = []
-    for i, r in enumerate(rows):
+    for r in rows:
         if r.decode:
             ids.append(r.input_id)
         else:
             ids.extend(r.req.fill_ids[r.start:r.start + r.q_len])
         pos.extend(range(r.start, r.start + r.q_len))
-        q_pos[i, : r.q_len] = torch.arange(r.start, r.start + r.q_len)
-        q_index.extend(range(i * lq, i * lq + r.q_len))
         if not r.decode and r.req.wants_prompt_logprobs():
             plp_counts.append(_prompt_lp_rows(r, cursor, plp_rows, plp_targets))
         else:
@@ -97,8 +96,6 @@ def pack_batch(batch: Batch, table: torch.Tensor, staging: StagingRing, page_siz
         "positions": positions,
         "out_cache_loc": out_cache_loc,
         "kv_pages": kv_pages,
-        "q_pos": q_pos,
-        "q_index": torch.tensor(q_index, dtype=torch.int64),
         "logit_rows": torch.tensor(logit_rows, dtype=torch.int64),
         "future_ids": torch.tensor([r.future_id for r in sampled], dtype=torch.int64),
         "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),

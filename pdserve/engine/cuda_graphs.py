@@ -184,7 +184,7 @@ class DecodeGraphs:
         # length (pos + 1); without one, SDPA over the bucket's pages, masked past it.
         pages_t = self.kv_pages[:rows, :pages]
         meta = AttnMeta(out_cache_loc=self.out_cache_loc[:rows], kv_pages=pages_t[:0],
-                        mask=None, q_index=None, batch=0, max_q=0, page_size=ps,
+                        batch=0, page_size=ps,
                         seq_lens=pos + 1, decode_pages=pages_t)
         return self.model(self.input_ids[:rows], pos, meta, self.kv_pool,
                           self.logit_rows[:rows])

@@ -69,8 +69,7 @@ def probe_activation_peak(model, layout: KVLayout, device: torch.device, tokens:
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         pos = torch.arange(tokens, device=device)
         meta = AttnMeta(out_cache_loc=pos + ps, kv_pages=torch.arange(
-            1, pages + 1, device=device).view(1, -1), mask=None, q_index=None, batch=1,
-            max_q=tokens, page_size=ps,
+            1, pages + 1, device=device).view(1, -1), batch=1, page_size=ps,
             fresh_lens=None if extend else (tokens,),
             extend_starts=(0,) if extend else None, extend_lens=(tokens,) if extend else None)
         rows = torch.arange(tokens - min(logit_rows, tokens), tokens, device=device)

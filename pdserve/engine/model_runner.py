@@ -94,39 +94,30 @@ class ModelRunner:
                                         t["plp_targets"])
 
     def _attn_meta(self, batch: Batch, t: dict[str, torch.Tensor]) -> AttnMeta:
-        """Split the rows into the SDPA group (first) and the decode group (last rows, read
-        in place by the paged kernel when the model has one, else SDPA over their own
+        """Split the rows into the prompt group (first) and the decode group (last rows,
+        read in place by the paged kernel when the model has one, else SDPA over their own
         gathered pages), and build each group's indices. Host-side lengths come from
         `batch.rows`."""
         n_dec = batch.num_decode_rows
-        sdpa = batch.rows[:len(batch.rows) - n_dec]
+        prompt = batch.rows[:len(batch.rows) - n_dec]
         ps = self.kv_pool.page_size
-        decode_pages = t["kv_pages"][len(sdpa):] if n_dec else None
+        decode_pages = t["kv_pages"][len(prompt):] if n_dec else None
         if n_dec and not self._paged_decode:  # gathered: only the decode rows' own pages
-            longest = max(r.start + 1 for r in batch.rows[len(sdpa):])
+            longest = max(r.start + 1 for r in batch.rows[len(prompt):])
             decode_pages = decode_pages[:, :-(-longest // ps)]
-        b, lq = len(sdpa), max((r.q_len for r in sdpa), default=0)
-        n_tok = sum(r.q_len for r in sdpa)
-        fresh = bool(sdpa) and all(r.start == 0 for r in sdpa)
-        mask, kv_pages = None, t["kv_pages"][:b]
-        extend = self._paged_extend and bool(sdpa)
-        if sdpa and not fresh and not extend:
-            pages = -(-max(r.start + r.q_len for r in sdpa) // ps)
-            kv_pages = kv_pages[:, :pages]
-            key_pos = torch.arange(pages * ps, device=self.device)
-            q_pos = t["q_pos"][:b, :lq]
-            # [B, 1, Lq, Lk]: causal within the row, which also hides the padding after each
-            # row's context; padded query rows see key 0 only (no NaN).
-            mask = (key_pos.view(1, 1, -1) <= q_pos.view(b, lq, 1)).unsqueeze(1)
+        # Fresh rows (all from position 0) attend over their own k/v unless a paged extend
+        # kernel serves every prompt row; rows with cached context always read the pool.
+        fresh = bool(prompt) and not self._paged_extend and all(r.start == 0 for r in prompt)
+        pooled = bool(prompt) and not fresh
         return AttnMeta(
-            out_cache_loc=t["out_cache_loc"], kv_pages=kv_pages, mask=mask,
-            q_index=None if n_tok == b * lq else t["q_index"][:n_tok], batch=b, max_q=lq,
-            page_size=ps,
-            seq_lens=t["q_pos"][b:, 0] + 1 if n_dec else None,
+            out_cache_loc=t["out_cache_loc"], kv_pages=t["kv_pages"][:len(prompt)],
+            batch=len(prompt), page_size=ps,
+            # decode rows come last, one token each at position (context length - 1)
+            seq_lens=t["positions"][-n_dec:] + 1 if n_dec else None,
             decode_pages=decode_pages,
-            fresh_lens=tuple(r.q_len for r in sdpa) if fresh and not extend else None,
-            extend_starts=tuple(r.start for r in sdpa) if extend else None,
-            extend_lens=tuple(r.q_len for r in sdpa) if extend else None,
+            fresh_lens=tuple(r.q_len for r in prompt) if fresh else None,
+            extend_starts=tuple(r.start for r in prompt) if pooled else None,
+            extend_lens=tuple(r.q_len for r in prompt) if pooled else None,
             layer_wait=functools.partial(self._wait_layer, op_id=batch.load_barrier)
             if batch.load_barrier else None,
         )

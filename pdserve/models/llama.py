@@ -48,29 +48,26 @@ class AttnMeta:
     """Per-forward attention indices, on the model's device.
 
     A batch's rows fall in two groups (docs/architecture.md: "Engine speed"): the first
-    `batch` rows, whose tokens come first, attend through SDPA (fresh or gathered from the
-    pool); the last `len(seq_lens)` rows, one token each, are decode rows that read the paged
-    pool in place (`ops.decode_attention`) or, without a paged kernel, SDPA over their own
-    gathered pages. A pure decode batch has `batch == 0`; a mixed batch has both groups."""
+    `batch` rows, whose tokens come first, are prompt rows (fresh, or continuing a cached
+    context); the last `len(seq_lens)` rows, one token each, are decode rows that read the
+    paged pool in place (`ops.decode_attention`) or, without a paged kernel, SDPA over their
+    own gathered pages. A pure decode batch has `batch == 0`; a mixed batch has both groups.
+    No row is ever padded to another's length."""
 
     out_cache_loc: torch.Tensor  # [T] pool slot of each new token
     kv_pages: torch.Tensor  # [B, P] pool page of each context page (padded with page 0)
-    # [B, 1, Lq, P * page_size] bool, True = may attend; None when the SDPA group needs no
-    # mask (no such rows, or fresh rows: causal SDPA on their own k/v)
-    mask: torch.Tensor | None
-    q_index: torch.Tensor | None  # [T_sdpa] flat position in the padded [B*Lq] layout; None
-    # when every SDPA row has Lq new tokens, so its tokens already are [B*Lq]
-    batch: int  # rows of the SDPA group
-    max_q: int
+    batch: int  # rows of the prompt group
     page_size: int
     # The decode group: [Bd] context length incl. the new token, and [Bd, Pd] its pages.
     seq_lens: torch.Tensor | None = None
     decode_pages: torch.Tensor | None = None
-    # new-token count of each SDPA row when all of them start at position 0 (fresh prompts,
-    # first chunks): their context is exactly this batch's k/v, so attention needs no pool read.
+    # new-token count of each prompt row when all of them start at position 0 (fresh
+    # prompts, first chunks) and the ops have no paged extend kernel: their context is
+    # exactly this batch's k/v, so attention needs no pool read.
     fresh_lens: tuple[int, ...] | None = None
-    # cached tokens and new tokens of each SDPA row when the ops attend over the pool in
-    # place (`ops.extend_attention`, bf16 on AVX512-BF16 CPUs): no gather, mask or padding
+    # Otherwise the cached tokens and new tokens of each prompt row: read from the pool in
+    # place when the ops have a paged extend kernel (`ops.extend_attention`: Triton, bf16 on
+    # AVX512-BF16 CPUs), else each row's own pages gathered (`_gathered_extend`).
     extend_starts: tuple[int, ...] | None = None
     extend_lens: tuple[int, ...] | None = None
     # HiCache: called with the layer id before the layer touches the pool, so a forward
@@ -122,17 +119,16 @@ class Attention(nn.Module):
         q, k, v = ops.rope_and_store(qkv, cos, sin, k_buf, v_buf, meta.out_cache_loc, h, hkv)
         n_dec = 0 if meta.seq_lens is None else meta.seq_lens.shape[0]
         outs = []
-        if meta.batch:  # SDPA rows: tokens [0, t - n_dec)
+        if meta.batch:  # prompt rows: tokens [0, t - n_dec) -> [te, H*D]
             te = t - n_dec
-            if meta.extend_lens is not None:  # [te, H*D]
-                outs.append(ops.extend_attention(q[:te], k_buf, v_buf, meta.kv_pages,
-                                                 meta.extend_starts, meta.extend_lens,
-                                                 meta.page_size, self.scale))
-            elif meta.fresh_lens is not None:
+            if meta.fresh_lens is not None:
                 outs.append(_fresh_attention(q[:te], k[:te], v[:te], meta.fresh_lens,
                                              self.scale))
             else:
-                outs.append(_padded_attention(q[:te], k_buf, v_buf, meta, self.scale))
+                attend = ops.extend_attention if self.paged_extend(ops, q.dtype) \
+                    else _gathered_extend
+                outs.append(attend(q[:te], k_buf, v_buf, meta.kv_pages, meta.extend_starts,
+                                   meta.extend_lens, meta.page_size, self.scale))
         if n_dec:  # decode rows: the last n_dec tokens, one per row
             if ops.paged_decode(h, hkv, d):  # [Bd, H, D]
                 out = ops.decode_attention(q[t - n_dec:], k_buf, v_buf, meta.decode_pages,
@@ -173,26 +169,29 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _padded_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                      meta: AttnMeta, scale: float) -> torch.Tensor:
-    """q [T, H, D] -> [T, H*D]: gathers each row's context pages and runs SDPA over the
-    padded [B, H, Lq, Lk] layout (the general path: prefill, chunks, mixed lengths)."""
+def _gathered_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     kv_pages: torch.Tensor, starts: tuple[int, ...], lens: tuple[int, ...],
+                     page_size: int, scale: float) -> torch.Tensor:
+    """Prompt rows over a cached context (chunks, prefix hits) without a paged kernel: row
+    by row, SDPA over that row's own context gathered from the pool ([1, Hkv, L_i, D], L_i =
+    start_i + n_i) under its causal mask [n_i, L_i]. Temporaries are the sum over rows of
+    n_i * L_i, never rows x the longest: a long chunk beside short prompts pads nothing.
+    q [T, H, D] (rows' new tokens, consecutive) -> [T, H*D]."""
     h, d = q.shape[1:]
-    keys = _gather_pages(k_buf, meta.kv_pages, meta.page_size)
-    values = _gather_pages(v_buf, meta.kv_pages, meta.page_size)
-    b, lq = meta.batch, meta.max_q
-    if meta.q_index is None:
-        qp = q.reshape(b, lq, h, d)
-    else:
-        qp = q.new_zeros(b * lq, h, d)
-        qp[meta.q_index] = q
-        qp = qp.view(b, lq, h, d)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
-        enable_gqa=h != keys.shape[1],
-    )  # [B, H, Lq, D]
-    out = out.transpose(1, 2).reshape(b * lq, h * d)
-    return out if meta.q_index is None else out[meta.q_index]
+    outs, first = [], 0
+    for i, (start, n) in enumerate(zip(starts, lens, strict=True)):
+        ctx = start + n
+        pages = kv_pages[i:i + 1, :-(-ctx // page_size)]
+        keys = _gather_pages(k_buf, pages, page_size)[:, :, :ctx]  # [1, Hkv, L_i, D]
+        values = _gather_pages(v_buf, pages, page_size)[:, :, :ctx]
+        q_pos = torch.arange(start, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device).view(1, -1) <= q_pos.view(-1, 1)
+        out = F.scaled_dot_product_attention(
+            q[first:first + n].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+            scale=scale, enable_gqa=h != keys.shape[1])  # [1, H, n, D]
+        outs.append(out[0].transpose(0, 1).reshape(n, h * d))
+        first += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _gathered_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -18,22 +18,18 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 282, 4649, 314
 DECODE = [504, 1345, 314, 253, 1767]
 
 
-def _meta(positions: list[int], paged: bool, extend: bool = False) -> AttnMeta:
+def _meta(positions: list[int], paged: bool) -> AttnMeta:
     """One request whose new tokens sit at `positions` of slots 0.. (pages in order);
-    `paged`: a one-token row goes to the paged decode kernel; `extend`: other rows to the
-    paged prompt kernel."""
+    `paged`: a one-token row goes to the paged decode kernel; other rows read their
+    context from the pool (the paged prompt kernel where the ops have one)."""
     q = torch.tensor(positions)
     pages = -(-(positions[-1] + 1) // PAGE)
-    key_pos = torch.arange(pages * PAGE)
-    mask = (key_pos.view(1, 1, -1) <= q.view(1, -1, 1)).unsqueeze(1)
     table = torch.arange(pages).view(1, -1)
     if paged and len(positions) == 1:
-        return AttnMeta(out_cache_loc=q, kv_pages=table[:0], mask=None, q_index=None, batch=0,
-                        max_q=0, page_size=PAGE, seq_lens=q + 1, decode_pages=table)
-    return AttnMeta(out_cache_loc=q, kv_pages=table, mask=mask, q_index=None, batch=1,
-                    max_q=len(positions), page_size=PAGE,
-                    extend_starts=(positions[0],) if extend else None,
-                    extend_lens=(len(positions),) if extend else None)
+        return AttnMeta(out_cache_loc=q, kv_pages=table[:0], batch=0, page_size=PAGE,
+                        seq_lens=q + 1, decode_pages=table)
+    return AttnMeta(out_cache_loc=q, kv_pages=table, batch=1, page_size=PAGE,
+                    extend_starts=(positions[0],), extend_lens=(len(positions),))
 
 
 def _our_logits(model, layout, kernels: str) -> torch.Tensor:
@@ -42,7 +38,7 @@ def _our_logits(model, layout, kernels: str) -> torch.Tensor:
     ids = PROMPT + DECODE
     n = len(PROMPT)
     rows = [model(torch.tensor(PROMPT), torch.arange(n),
-                  _meta(list(range(n)), False, model.paged_extend()), pool,
+                  _meta(list(range(n)), False), pool,
                   torch.tensor([n - 1]))]
     for i, tok in enumerate(DECODE[:-1]):
         pos = n + i

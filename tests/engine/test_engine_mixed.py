@@ -132,22 +132,26 @@ def _meta(rows: list[tuple[int, int]], tables: list[torch.Tensor], ps: int, page
         slots.append(table[p // ps] * ps + p % ps)
     width = max(len(t) for t in tables)
     pages = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables])
-    b, lq = len(sdpa), max((n for _, n in sdpa), default=0)
-    q_pos = torch.zeros(b, lq, dtype=torch.long)
-    q_index = []
-    for i, (start, n) in enumerate(sdpa):
-        q_pos[i, :n] = torch.arange(start, start + n)
-        q_index += range(i * lq, i * lq + n)
-    key_pos = torch.arange(width * ps)
-    mask = (key_pos.view(1, 1, -1) <= q_pos.view(b, lq, 1)).unsqueeze(1)
+    b = len(sdpa)
     fresh = bool(sdpa) and all(start == 0 for start, _ in sdpa)
     meta = AttnMeta(
-        out_cache_loc=torch.cat(slots), kv_pages=pages[:b], mask=None if fresh else mask,
-        q_index=torch.tensor(q_index) if len(q_index) != b * lq else None, batch=b, max_q=lq,
-        page_size=ps, fresh_lens=tuple(n for _, n in sdpa) if fresh else None,
+        out_cache_loc=torch.cat(slots), kv_pages=pages[:b], batch=b, page_size=ps,
+        fresh_lens=tuple(n for _, n in sdpa) if fresh else None,
+        extend_starts=tuple(s for s, _ in sdpa) if sdpa and not fresh else None,
+        extend_lens=tuple(n for _, n in sdpa) if sdpa and not fresh else None,
         seq_lens=torch.tensor([s + 1 for s, _ in rows[b:]]) if n_dec else None,
-        decode_pages=pages[b:] if n_dec else None)
+        # as the model runner: the decode rows' pages up to their own longest context
+        decode_pages=pages[b:, :-(-max(s + 1 for s, _ in rows[b:]) // ps)] if n_dec else None)
     return meta, torch.cat(pos)
+
+
+def _tables(rows: list[tuple[int, int]], ps: int) -> list[torch.Tensor]:
+    """Disjoint pages for each row's whole context (page 0 unused), as the allocator gives."""
+    tables, first = [], 1
+    for start, n in rows:
+        tables.append(torch.arange(first, first + -(-(start + n) // ps)))
+        first += len(tables[-1])
+    return tables
 
 
 def _run(model, layout, rows, ids, together: bool) -> torch.Tensor:
@@ -155,9 +159,8 @@ def _run(model, layout, rows, ids, together: bool) -> torch.Tensor:
     ps = layout.page_size
     pool = KVPool(layout, 64, CPU)
     paged = model.paged_decode()
-    tables = []
-    for i, (start, n) in enumerate(rows):
-        tables.append(torch.arange(i * 8, i * 8 + -(-(start + n) // ps)))
+    tables = _tables(rows, ps)
+    for i, (start, _) in enumerate(rows):
         if start:
             meta, pos = _meta([(0, start)], [tables[i]], ps, paged)
             model(ids[i][:start], pos, meta, pool, torch.tensor([start - 1]))
@@ -224,3 +227,49 @@ def test_torch_attention_never_pads_decode_rows_to_a_chunk(monkeypatch):
     one_chunk_row = heads * chunk * -(-long_len // ps) * ps
     assert scores and max(scores) <= one_chunk_row, (max(scores), one_chunk_row)
     assert not pool_problems(mixed) and not pool_problems(apart)
+
+
+def test_torch_prompt_rows_cost_the_sum_of_their_lengths(monkeypatch):
+    """Without a paged prompt kernel (torch ops), prompt rows over a cached context (a long
+    chunk, short prefix hits) attend row by row, each over its own context: one layer's
+    SDPA score elements are H * sum(n_i * L_i) for the prompt rows plus the decode rows'
+    own contexts, where padding every row to the longest would be H * B * max n * max L
+    (here 9x more). The logits equal running each row alone."""
+    llm = get_llm("tiny-llama", kernels="torch")
+    model, layout = llm.engine.loaded.model, llm.engine.layout
+    assert not model.paged_extend() and not model.paged_decode()
+    ps, heads = layout.page_size, llm.engine.loaded.hf_config.num_attention_heads
+    rows = [(320, 64), (20, 4), (40, 3), (8, 5), (50, 1), (70, 1)]  # (cached, new)
+    g = torch.Generator().manual_seed(11)
+    ids = [torch.randint(5, 200, (s + n,), generator=g) for s, n in rows]
+    alone = _run(model, layout, rows, ids, together=False)
+
+    scores: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        scores.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    pool = KVPool(layout, 64, CPU)
+    tables = _tables(rows, ps)
+    for i, (start, _) in enumerate(rows):  # each row's cached context, written first
+        meta, pos = _meta([(0, start)], [tables[i]], ps, False)
+        model(ids[i][:start], pos, meta, pool, torch.tensor([start - 1]))
+    meta, pos = _meta(rows, tables, ps, True)
+    new = torch.cat([ids[i][s:s + n] for i, (s, n) in enumerate(rows)])
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    together = model(new, pos, meta, pool, torch.arange(len(new)))
+    monkeypatch.undo()
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+
+    layers = llm.engine.loaded.hf_config.num_hidden_layers
+    assert len(scores) % layers == 0
+    per_layer = sum(scores) // layers
+    prompt = [(s, n) for s, n in rows if n > 1]
+    decode = [s + 1 for s, n in rows if n == 1]
+    exact = heads * (sum(n * (s + n) for s, n in prompt)
+                     + len(decode) * -(-max(decode) // ps) * ps)  # decode rows: own pages
+    assert per_layer == exact, (per_layer, exact)
+    padded = heads * len(prompt) * max(n for _, n in prompt) * max(s + n for s, n in prompt)
+    assert padded > 3 * exact

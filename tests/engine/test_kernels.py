@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.models.llama import AttnMeta, _padded_attention
+from pdserve.models.llama import _gathered_extend
 from pdserve.models.ops import TorchOps, choose_ops
 
 REF = TorchOps()
@@ -69,22 +69,18 @@ def _decode_case(b: int, h: int, hkv: int, d: int, lens: list[int], dtype, ps: i
     v_buf = torch.randn(total * ps, hkv, d, generator=g).to(dtype)
     table = torch.randperm(total, generator=g)[: b * pages].view(b, pages)
     q = torch.randn(b, h, d, generator=g).to(dtype)
-    seq = torch.tensor(lens)
-    key_pos = torch.arange(pages * ps)
-    mask = (key_pos.view(1, 1, -1) <= (seq - 1).view(b, 1, 1)).unsqueeze(1)
-    meta = AttnMeta(out_cache_loc=torch.zeros(b, dtype=torch.long), kv_pages=table, mask=mask,
-                    q_index=None, batch=b, max_q=1, page_size=ps, seq_lens=seq)
-    return q, k_buf, v_buf, meta
+    return q, k_buf, v_buf, table, torch.tensor(lens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (4, 2, 16)])
-def test_decode_attention_matches_padded_sdpa(native, dtype, h, hkv, d):
+def test_decode_attention_matches_gathered_sdpa(native, dtype, h, hkv, d):
     lens = [1, 5, 17, 33, 8]  # one token, partial pages, full pages, rows of unequal length
-    q, k_buf, v_buf, meta = _decode_case(len(lens), h, hkv, d, lens, dtype)
-    ref = _padded_attention(q, k_buf, v_buf, meta, d**-0.5)
-    out = native.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens,
-                                  meta.page_size, d**-0.5)
+    q, k_buf, v_buf, table, seq = _decode_case(len(lens), h, hkv, d, lens, dtype)
+    # the torch path of a one-token prompt row over its cached context
+    ref = _gathered_extend(q, k_buf, v_buf, table, tuple(n - 1 for n in lens),
+                           (1,) * len(lens), 4, d**-0.5)
+    out = native.decode_attention(q, k_buf, v_buf, table, seq, 4, d**-0.5)
     close(out.reshape(len(lens), h * d), ref, dtype)
 
 
@@ -92,9 +88,9 @@ def test_decode_attention_refuses_unsupported_shapes(native):
     assert not native.paged_decode(8, 8, 72)  # head_dim not a multiple of 16
     assert not native.paged_decode(64, 2, 64)  # 32 query heads share one KV head
     assert native.paged_decode(9, 3, 64) and not REF.paged_decode(9, 3, 64)
-    q, k_buf, v_buf, meta = _decode_case(2, 4, 4, 24, [3, 4], torch.float32)
+    q, k_buf, v_buf, table, seq = _decode_case(2, 4, 4, 24, [3, 4], torch.float32)
     with pytest.raises(RuntimeError, match="head_dim"):
-        native.decode_attention(q, k_buf, v_buf, meta.kv_pages, meta.seq_lens, 4, 0.2)
+        native.decode_attention(q, k_buf, v_buf, table, seq, 4, 0.2)
 
 
 def test_choose_ops():

@@ -60,14 +60,15 @@ def _tokenizer(path: str):
 
 
 @functools.cache
-def _loaded(name: str, dtype: str, device: str, cache_dir: str):
-    return _real_load_model(name, dtype, torch.device(device), cache_dir)
+def _loaded(name: str, dtype: str, device: str, *where: str):
+    return _real_load_model(name, dtype, torch.device(device), *where)
 
 
-def _model(name: str, dtype: str, device: str, cache_dir: str):
+def _model(name: str, dtype: str, device: str, *where: str):
     # A shallow copy per engine: the weights are shared, but each engine sets its own
-    # `model.ops` (its --kernels / --attention-backend choice).
-    loaded = _loaded(name, dtype, device, cache_dir)
+    # `model.ops` (its --kernels / --attention-backend choice). `where`: cache dir,
+    # revision, load format, as the engine passes them.
+    loaded = _loaded(name, dtype, device, *where)
     return dataclasses.replace(loaded, model=copy.copy(loaded.model))
 
 
@@ -79,8 +80,8 @@ def _shared_tokenizer(share_model: bool = True):
     loads its own (`share_model=False`)."""
     engine_mod.load_tokenizer = lambda path: _tokenizer(str(path))
     if share_model:
-        engine_mod.load_model = lambda name, dtype, device, cache_dir="": _model(
-            name, dtype, str(device), cache_dir)
+        engine_mod.load_model = lambda name, dtype, device, *where: _model(
+            name, dtype, str(device), *where)
     try:
         yield
     finally:
