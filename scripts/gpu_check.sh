@@ -4,9 +4,12 @@
 #      reaches no registry) into a private folder, unpack Mooncake's system libraries
 #   2. build the tiny and synthetic models from the carried tokenizer files
 #   3. pytest tests/gpu                                  -> OUT/gpu_tests.log, .xml
-#   4. bench/overlap.py, synthetic-1b on cuda, bs 1/8/32/128 -> OUT/overlap.json
-#   5. bench/kv_device.py, GPU->GPU KV transfer GB/s     -> OUT/kv_device.json
-#   6. 1P1D `pdserve up` + `pdserve bench` on one GPU    -> OUT/pd_bench.jsonl
+#   4. bench/gpu_model.py, synthetic-8b (Llama-3-8B shape): decode at bs 1/8/32/128 x
+#      context 1k/4k, 4k prefill, the mixed-batch memory probe, memory used, each beside
+#      the HBM limit                                      -> OUT/gpu_model.json
+#   5. bench/overlap.py, synthetic-1b on cuda, bs 1/8/32/128 -> OUT/overlap.json
+#   6. bench/kv_device.py, GPU->GPU KV transfer GB/s     -> OUT/kv_device.json
+#   7. 1P1D `pdserve up` + `pdserve bench` on one GPU    -> OUT/pd_bench.jsonl
 # and OUT/summary.json (every step's exit code and seconds, the benchmarks' summaries).
 # Tensor parallelism (--tp-size, docs/tensor-parallel.md) is NOT run here: the lent
 # machine has one GPU and a TP2 node puts rank r on cuda:r (NCCL), so it needs two. TP is
@@ -160,16 +163,18 @@ export -f install_wheels env_report seed_models pd_bench
 
 if [ "$DRY" = 1 ]; then
     DEV=cpu; DTYPE=float32; BIG=synthetic-tiny
+    MODEL_ARGS=(--quick)
     OVERLAP_ARGS=(--models "$BIG" --batches 1,8 --out-len 8 --repeats 1)
     KV_ARGS=(--tokens 256 --rooms 2 --backends tcp)
     PD_ARGS=("$BIG" "--device cpu --max-total-tokens 4096" 4 64 8 2)
     MODELS=(tiny-llama tiny-qwen2 "$BIG")
 else
     DEV=cuda; DTYPE=bfloat16; BIG=synthetic-1b
+    MODEL_ARGS=(--model synthetic-8b)
     OVERLAP_ARGS=(--models "$BIG" --batches 1,8,32,128 --out-len 128 --repeats 3 --threads 0)
     KV_ARGS=(--tokens 4096 --rooms 8 --backends tcp,mooncake)
     PD_ARGS=("$BIG" "--device cuda --dtype bfloat16 --max-total-tokens 131072" 96 1024 128 32)
-    MODELS=(tiny-llama tiny-qwen2 "$BIG")
+    MODELS=(tiny-llama tiny-qwen2 "$BIG" synthetic-8b)
     if step install 90 install_wheels; then
         eval "$(grep '^export ' "$OUT/install.log")"
     fi
@@ -181,7 +186,9 @@ step env 60 env_report
 step models 90 seed_models "${MODELS[@]}"
 step gpu_tests 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu \
     --junitxml="$OUT/gpu_tests.xml"
-step overlap 150 "$PY" bench/overlap.py --device "$DEV" --dtype "$DTYPE" "${OVERLAP_ARGS[@]}" \
+step gpu_model 150 "$PY" bench/gpu_model.py --device "$DEV" "${MODEL_ARGS[@]}" \
+    --out "$OUT/gpu_model.json"
+step overlap 120 "$PY" bench/overlap.py --device "$DEV" --dtype "$DTYPE" "${OVERLAP_ARGS[@]}" \
     --out "$OUT/overlap.json"
 step kv_device 90 "$PY" bench/kv_device.py --device "$DEV" "${KV_ARGS[@]}" \
     --out "$OUT/kv_device.json"
@@ -196,7 +203,7 @@ for line in (out / "steps.tsv").read_text().splitlines():
     name, rc, secs = line.split("\t")
     steps[name] = {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "seconds": int(secs)}
 summary = {"cpu_dry_run": dry, "steps": steps}
-for name in ("overlap", "kv_device"):
+for name in ("gpu_model", "overlap", "kv_device"):
     f = out / f"{name}.json"
     if f.exists():
         summary[name] = json.loads(f.read_text())["summary"]

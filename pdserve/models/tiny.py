@@ -25,9 +25,16 @@ TINY_CONFIGS = {
 }
 # Benchmark shapes with random weights drawn on the device at load time (loader.random_model):
 # only config.json, the tokenizer and random_init.json are written. `synthetic-1b` is
-# Llama-3.2-1B's shape with SmolLM2's vocabulary (1.07B parameters); `synthetic-tiny` is
-# the same code path at test size (the CPU dry run of scripts/gpu_check.sh).
+# Llama-3.2-1B's shape with SmolLM2's vocabulary (1.07B parameters), `synthetic-8b`
+# Llama-3-8B's (7.4B: the vocabulary is SmolLM2's 49k, not 128k; 14.8 GB in bf16);
+# `synthetic-tiny` is the same code path at test size (the CPU dry run of
+# scripts/gpu_check.sh).
 SYNTHETIC_CONFIGS = {
+    "synthetic-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
     "synthetic-1b": dict(
         model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,

@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh and scripts/gpu_wheels.sh: valid bash, and the check's CPU dry run
-(the same steps at tiny size on host memory: tests/gpu collection, bench/overlap.py on a
-synthetic model, bench/kv_device.py, a 1P1D `pdserve up` + `pdserve bench`) writes a
-summary whose numbers come from real runs."""
+(the same steps at tiny size on host memory: tests/gpu collection, bench/gpu_model.py and
+bench/overlap.py on a synthetic model, bench/kv_device.py, a 1P1D `pdserve up` + `pdserve
+bench`) writes a summary whose numbers come from real runs."""
 
 from __future__ import annotations
 
@@ -39,8 +39,12 @@ def test_cpu_dry_run_runs_every_step(tmp_path: Path) -> None:
     summary = json.loads(summary_file.read_text())
     assert res.returncode == 0, (summary["steps"], res.stdout[-4000:])
     assert summary["ok"] and summary["cpu_dry_run"]
-    assert set(summary["steps"]) == {"env", "models", "gpu_tests", "overlap", "kv_device",
-                                     "pd_bench"}
+    assert set(summary["steps"]) == {"env", "models", "gpu_tests", "gpu_model", "overlap",
+                                     "kv_device", "pd_bench"}
+    gm = summary["gpu_model"]
+    assert gm["device"] == "cpu" and gm["model"] == "synthetic-tiny"
+    assert gm["decode_tok_s_bs4_ctx128"] > 0 and gm["prefill_tok_s"] > 0
+    assert gm["probe_mixed_batches"] > 0 and gm["pools_full_after"] is True
     ov = summary["overlap"]
     assert ov["device"] == "cpu" and ov["tpot_ratio_bs1_synthetic"] > 0
     assert ov["decode_tok_s_bs8_synthetic"] > 0
