@@ -78,6 +78,8 @@ class RouterMetrics:
                                   "requests moved to a new pair after their decode node died "
                                   "mid-stream, by outcome (ok, failed, limit)", ["outcome"],
                                   registry=r)
+        for outcome in ("ok", "failed", "limit"):  # exported at 0 before the first one
+            self.migrations.labels(outcome)
         self.retries = Counter("pdserve_router_retries",
                                "dispatch attempts abandoned for another node pair", registry=r)
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import subprocess
 import time
@@ -81,24 +82,38 @@ def _autoscaler_metrics(docs, role: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def live_metrics(tmp_path_factory) -> dict[str, set[str]]:
-    """Metric names at /metrics of a real prefill and a real decode node (tiny-llama, tcp)."""
+    """Sample names at /metrics of a real prefill node (with HiCache), decode node and
+    router (tiny-llama, tcp), after one request went through them."""
     tmp = tmp_path_factory.mktemp("m")
     reg_port = free_port()
     registry = f"http://127.0.0.1:{reg_port}"
     out: dict[str, set[str]] = {}
     with running(pdserve("registry", "--port", str(reg_port)), tmp / "registry.log") as reg:
         wait_http(f"{registry}/readyz", reg, tmp / "registry.log")
-        ports = {role: free_port() for role in ("prefill", "decode")}
+        ports = {role: free_port() for role in ("prefill", "decode", "router")}
         logs = {role: tmp / f"{role}.log" for role in ports}
-        with running(pdserve("prefill", "--model", "tiny-llama", "--registry", registry,
-                             "--port", str(ports["prefill"]), "--transfer-backend", "tcp"),
-                     logs["prefill"]) as p, \
-             running(pdserve("decode", "--model", "tiny-llama", "--registry", registry,
-                             "--port", str(ports["decode"]), "--transfer-backend", "tcp"),
-                     logs["decode"]) as d:
-            for role, proc in (("prefill", p), ("decode", d)):
-                url = f"http://127.0.0.1:{ports[role]}"
-                wait_http(f"{url}/readyz", proc, logs[role])
+        node = ("--model", "tiny-llama", "--registry", registry, "--transfer-backend", "tcp")
+        with running(pdserve("prefill", *node, "--port", str(ports["prefill"]),
+                             "--enable-hierarchical-cache"), logs["prefill"]) as p, \
+             running(pdserve("decode", *node, "--port", str(ports["decode"])),
+                     logs["decode"]) as d, \
+             running(pdserve("router", "--registry", registry, "--port",
+                             str(ports["router"]), "--model", "tiny-llama",
+                             "--registry-poll-s", "0.2"), logs["router"]) as r:
+            procs = {"prefill": p, "decode": d, "router": r}
+            urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+            for role, proc in procs.items():
+                wait_http(f"{urls[role]}/readyz" if role != "router" else
+                          f"{urls[role]}/health", proc, logs[role])
+            for _ in range(100):  # the router sees both nodes, then one request goes through
+                ok = httpx.post(f"{urls['router']}/generate", timeout=60, json={
+                    "text": "hello", "sampling_params": {"max_new_tokens": 4}})
+                if ok.status_code == 200:
+                    break
+                time.sleep(0.2)
+            assert ok.status_code == 200, ok.text
+            time.sleep(0.6)  # node stats refresh every 0.25 s
+            for role, url in urls.items():
                 text = httpx.get(f"{url}/metrics", timeout=10).text
                 out[role] = set(re.findall(r"^(pdserve_[a-z0-9_]+)", text, re.M))
     return out
@@ -121,3 +136,32 @@ def test_documented_alternative_metrics_are_exported_too(render, live_metrics, m
     docs = render(None, {"autoscaling.decode.enabled": "true",
                          "autoscaling.decode.metric": f'"{metric}"'})
     assert _autoscaler_metrics(docs, "decode") <= live_metrics["decode"]
+
+
+def _queries(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_queries_only_metrics_live_processes_export(render, live_metrics):
+    """The Grafana dashboard ConfigMap carries Grafana's sidecar label, and every metric
+    its PromQL names is one a live prefill node, decode node or router exports."""
+    docs = render(None, {"metrics.grafanaDashboard.enabled": "true",
+                         "metrics.serviceMonitor.enabled": "true"})
+    cm = get(docs, "ConfigMap", f"{FULLNAME}-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["pdserve.json"])
+    queries = _queries(dashboard)
+    names = set(re.findall(r"\bpdserve_[a-z0-9_]+", " ".join(queries)))
+    exported = set().union(*live_metrics.values())
+    assert len(names) >= 20, names
+    assert not names - exported, f"not exported by any live process: {names - exported}"
+    for role in ("prefill", "decode", "router"):  # each tier has panels of its own
+        assert names & live_metrics[role], role
+    # The per-tier panels group by the label the chart's ServiceMonitor sets.
+    if any("by (tier" in q or "tier)" in q for q in queries):
+        monitor = get(docs, "ServiceMonitor", FULLNAME)
+        labels = {r["targetLabel"] for e in monitor["spec"]["endpoints"]
+                  for r in e.get("relabelings", [])}
+        assert "tier" in labels
+    assert all(p.get("datasource", {}).get("uid") == "${datasource}"
+               for p in dashboard["panels"] if p["type"] != "row")
