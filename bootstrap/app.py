@@ -89,7 +89,7 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
 
     app = FastAPI(title="pdserve registry", version="1", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.http.max_body_bytes)
 
     @app.middleware("http")
     async def epoch_header(request: Request, call_next):

@@ -11,7 +11,9 @@ import logging
 import sys
 from pathlib import Path
 
-from bootstrap.config import LOG_LEVELS, ConfigError, RegistryConfig
+from bootstrap.config import HTTP_DEFAULTS, LOG_LEVELS, RegistryConfig
+from pdserve.flags import ConfigError, add_dataclass_flags, values_from
+from pdserve.http.limits import HttpLimits
 
 _DEFAULTS = RegistryConfig()
 
@@ -77,22 +79,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--min-ttl", type=float, default=d.min_ttl_s, help="smallest ttl_s accepted")
     p.add_argument("--max-ttl", type=float, default=d.max_ttl_s, help="largest ttl_s accepted")
-    p.add_argument(
-        "--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413"
-    )
-    p.add_argument(
-        "--header-timeout-s", type=float, default=d.header_timeout_s,
-        help="a connection must send a request's headers within this; else 408 and closed",
-    )
-    p.add_argument(
-        "--body-timeout-s", type=float, default=d.body_timeout_s,
-        help="a request body must arrive within this after its headers; else 408 and closed",
-    )
-    p.add_argument(
-        "--max-connections", type=int, default=d.max_connections,
-        help="open connections; beyond it new ones get 503 and are closed",
-    )
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    add_dataclass_flags(p, HttpLimits, "HTTP limits", defaults=HTTP_DEFAULTS)
     p.set_defaults(func=run)
 
 
@@ -119,10 +107,7 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
         default_ttl_s=args.default_ttl,
         min_ttl_s=args.min_ttl,
         max_ttl_s=args.max_ttl,
-        max_body_bytes=args.max_body_bytes,
-        header_timeout_s=args.header_timeout_s,
-        body_timeout_s=args.body_timeout_s,
-        max_connections=args.max_connections,
+        http=HttpLimits(**values_from(HttpLimits, args)),
         log_level=args.log_level,
     )
 
@@ -151,16 +136,15 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("config %s", config.describe())
     # Access logs only at debug: every node heartbeats every TTL/3.
-    from pdserve.http.guard import HttpLimits, guarded_protocol
+    from pdserve.http.guard import guarded_protocol
 
-    limits = HttpLimits(config.header_timeout_s, config.body_timeout_s, config.max_connections)
     uvicorn.run(
         create_app(config, store),
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         access_log=config.log_level == "debug",
-        http=guarded_protocol(limits),
+        http=guarded_protocol(config.http),
     )
     return 0
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdserve.flags import ConfigError
+from pdserve.http.limits import HttpLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the CLI prints it and exits non-zero."""
+HTTP_DEFAULTS = {"max_body_bytes": 65536, "max_connections": 1024}
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,9 @@ class RegistryConfig:
     # Bounds on a requested TTL: too short floods the registry, too long keeps the dead.
     min_ttl_s: float = 0.5
     max_ttl_s: float = 3600.0
-    # Request bodies above this many bytes get a 413 before any parsing.
-    max_body_bytes: int = 65536
-    # A connection must send a request's headers within header_timeout_s and its body
-    # within body_timeout_s after them (else 408 and closed); beyond max_connections open
-    # connections new ones get 503 and are closed.
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 1024
+    # The HTTP bounds (body size: 413 before any parsing); the registry's bodies are small
+    # records and its clients a cluster's nodes, hence its smaller defaults.
+    http: HttpLimits = field(default_factory=lambda: HttpLimits(**HTTP_DEFAULTS))
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -59,11 +54,9 @@ class RegistryConfig:
                 "need 0 < --min-ttl <= --default-ttl <= --max-ttl <= 86400, got "
                 f"{self.min_ttl_s}, {self.default_ttl_s}, {self.max_ttl_s}"
             )
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0 or self.max_connections < 1:
-            raise ConfigError("need --header-timeout-s > 0, --body-timeout-s > 0 and "
-                              "--max-connections >= 1")
+        if self.http.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be >= 1024, got "
+                              f"{self.http.max_body_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
 

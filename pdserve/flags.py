@@ -16,6 +16,11 @@ from typing import Any
 _TYPES = {"int": int, "float": float, "str": str}
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot work. Raised by a config's `__post_init__` with the flag
+    named; every CLI prints it on one line and exits non-zero."""
+
+
 def opt(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field with its flag's help text (and argparse extras) attached."""
     return field(default=default, metadata={"help": help, **extra})

@@ -17,23 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pdserve.http.limits import HttpLimits
+
 log = logging.getLogger("pdserve.http")
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0 or self.max_connections < 1:
-            raise ValueError("header/body timeouts must be > 0 and max_connections >= 1")
 
 
 def _raw_error(status: int, reason: str, message: str) -> bytes:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
+from pdserve.flags import ConfigError
+
 BACKENDS = ("generate", "openai", "openai-chat")
 DATASETS = ("random", "sharegpt", "shared-prefix")
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -22,10 +24,6 @@ ENDPOINTS = {
     "openai": "/v1/completions",
     "openai-chat": "/v1/chat/completions",
 }
-
-
-class ConfigError(ValueError):
-    """A flag value that cannot run; the message names the flag."""
 
 
 @dataclass(frozen=True)

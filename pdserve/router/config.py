@@ -7,11 +7,11 @@ drift apart: `add_cli_args` walks the fields, `from_cli` reads them back.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from pdserve.flags import add_dataclass_flags, opt, values_from
-from pdserve.http.guard import HttpLimits
+from pdserve.flags import ConfigError, add_dataclass_flags, opt, values_from
+from pdserve.http.limits import HttpLimits
 from pdserve.http.tools import PARSERS
 from pdserve.models.tokenizer import read_chat_template
 from pdserve.tokens import read_token_file
@@ -65,16 +65,9 @@ class RouterConfig:
                                          "node when the preferred one has this many more "
                                          "requests ...")
     balance_rel_threshold: float = _opt(1.5, "... and more than this factor of its load")
-    max_body_bytes: int = _opt(4 << 20, "largest request body; beyond: 413")
     truncate_max_tokens: bool = _opt(False, "when prompt + max_tokens exceed the model's "
                                             "context, clip max_tokens to what is left "
                                             "instead of answering 400")
-    header_timeout_s: float = _opt(10.0, "a connection must send a request's complete "
-                                         "headers within this many seconds; beyond: 408 "
-                                         "and closed")
-    body_timeout_s: float = _opt(30.0, "a request body must arrive within this many "
-                                       "seconds of its headers; beyond: 408 and closed")
-    max_connections: int = _opt(4096, "open client connections; beyond: 503 and closed")
     max_n: int = _opt(16, "largest `n` (choices per OpenAI request); beyond: 400")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM: let open requests and streams finish "
                                         "for up to this long, then cancel the rest (the "
@@ -85,13 +78,14 @@ class RouterConfig:
     tool_call_parser: str = _opt("auto", "how chat answers are read for tool calls: the "
                                          "chat template's family (auto), hermes or "
                                          "llama3_json", choices=PARSERS)
+    http: HttpLimits = field(default_factory=HttpLimits)  # its own flag group
 
     def __post_init__(self) -> None:
         url = urlsplit(self.registry)
         if url.scheme not in ("http", "https") or not url.netloc:
-            raise ValueError(f"--registry {self.registry!r}: expected http://HOST:PORT")
+            raise ConfigError(f"--registry {self.registry!r}: expected http://HOST:PORT")
         if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         positive = {"--registry-poll-s": self.registry_poll_s,
                     "--max-running-requests": self.max_running_requests,
                     "--queue-timeout-s": self.queue_timeout_s,
@@ -100,37 +94,34 @@ class RouterConfig:
                     "--dispatch-attempts": self.dispatch_attempts,
                     "--breaker-failures": self.breaker_failures,
                     "--breaker-cooldown-s": self.breaker_cooldown_s,
-                    "--max-body-bytes": self.max_body_bytes, "--max-n": self.max_n}
+                    "--max-n": self.max_n}
         for flag, value in positive.items():
             if not value > 0:
-                raise ValueError(f"{flag} must be > 0, got {value}")
+                raise ConfigError(f"{flag} must be > 0, got {value}")
         if min(self.max_queued_requests, self.prefix_pages, self.migration_limit,
                self.stream_stall_timeout_s, self.drain_timeout_s) < 0:
-            raise ValueError("--max-queued-requests, --prefix-pages, --migration-limit, "
+            raise ConfigError("--max-queued-requests, --prefix-pages, --migration-limit, "
                              "--stream-stall-timeout-s and --drain-timeout-s must be >= 0")
         if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
-            raise ValueError("--breaker-max-cooldown-s must be >= --breaker-cooldown-s")
+            raise ConfigError("--breaker-max-cooldown-s must be >= --breaker-cooldown-s")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
-            raise ValueError("need --balance-abs-threshold >= 0 and --balance-rel-threshold >= 1")
-        HttpLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
+            raise ConfigError("need --balance-abs-threshold >= 0 and --balance-rel-threshold >= 1")
         if self.tool_call_parser not in PARSERS:
-            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}")
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(PARSERS)}")
         if self.chat_template:
             read_chat_template(self.chat_template)
         if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
-
-    @property
-    def http_limits(self) -> HttpLimits:
-        return HttpLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        add_dataclass_flags(p, RouterConfig, "router")
+        add_dataclass_flags(p, RouterConfig, "router", skip=("http",))
+        add_dataclass_flags(p, HttpLimits, "HTTP limits")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> RouterConfig:
-        values = values_from(cls, args)
+        values = values_from(cls, args, skip=("http",))
+        values["http"] = HttpLimits(**values_from(HttpLimits, args))
         token = read_token_file(values["registry_token_file"], "--registry-token-file")
         if token is not None:
             values["registry_token"] = token

@@ -55,10 +55,10 @@ async def _serve_async(cfg: RouterConfig, tokenizer: RouterTokenizer | None) -> 
         await gw.close()
 
     app = build_app(gw, lifespan)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.http.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=cfg.drain_timeout_s, access_log=cfg.log_level == "debug",
-        http=guarded_protocol(cfg.http_limits)))
+        http=guarded_protocol(cfg.http)))
     await server.serve()
     return 0

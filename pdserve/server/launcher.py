@@ -153,7 +153,7 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
         if sock is not None:
             from pdserve.disagg.bootstrap_server import BootstrapServer
 
-            bootstrap = BootstrapServer(sock, record, cfg.http_limits)
+            bootstrap = BootstrapServer(sock, record, cfg.http)
             bootstrap.start()
             front.bootstrap_port = bootstrap.port
             log.info("SGLang bootstrap endpoint on %s:%d", cfg.host, bootstrap.port)
@@ -180,12 +180,12 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
                  f"; {left} requests still open are aborted" if left else "")
 
     app = build_app(front, lifespan)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.http.max_body_bytes)
     # After a drain the open requests are done (or given up): uvicorn need not wait long.
     server = NodeServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=2 if cfg.pd is not None else GRACEFUL_S,
-        access_log=cfg.log_level == "debug", http=guarded_protocol(cfg.http_limits)),
+        access_log=cfg.log_level == "debug", http=guarded_protocol(cfg.http)),
         drain if cfg.pd is not None else None)
     async def exit_when_the_scheduler_dies():
         await client.died.wait()

@@ -12,6 +12,7 @@ from registry_harness import ENTRY, PDSERVE_ENTRY, REPO, Registry
 
 from bootstrap import cli
 from bootstrap.config import RegistryConfig
+from pdserve.http.limits import HttpLimits
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def test_flags_map_onto_the_config(tmp_path) -> None:
         token="from-file",
         token_reads=True,
         default_ttl_s=6.0,
-        max_body_bytes=2048,
+        http=HttpLimits(max_body_bytes=2048, max_connections=1024),  # the registry's default
     )
 
 

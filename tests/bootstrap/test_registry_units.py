@@ -16,6 +16,7 @@ from bootstrap.config import ConfigError, RegistryConfig
 from bootstrap.heartbeat import Heartbeat
 from bootstrap.lifecycle import SECRET_FIELD, DeleteOutcome, PutOutcome, apply_put, check_delete
 from bootstrap.record import NodeRecord, RegisteredNode, record_payload
+from pdserve.http.limits import HttpLimits
 
 # ---- lifecycle ----------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ def test_config_is_frozen_and_validated() -> None:
         {"token_reads": True},
         {"min_ttl_s": 5.0, "default_ttl_s": 1.0},
         {"max_ttl_s": 1e6},
-        {"max_body_bytes": 10},
+        {"http": HttpLimits(max_body_bytes=10)},
         {"log_level": "loud"},
     ]
     for kwargs in bad:

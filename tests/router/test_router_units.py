@@ -259,7 +259,11 @@ def test_every_config_field_is_a_flag_with_help():
         helps.update({opt: action.help for opt in action.option_strings})
     from dataclasses import fields
 
-    for f in fields(RouterConfig):
+    from pdserve.http.limits import HttpLimits
+
+    for f in [*fields(RouterConfig), *fields(HttpLimits)]:
+        if f.name == "http":  # the sub-config: its fields are the flags
+            continue
         flag = "--" + f.name.replace("_", "-")
         assert helps.get(flag), flag
     cfg = RouterConfig.from_cli(parser.parse_args(["router"]))
