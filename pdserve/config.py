@@ -79,6 +79,9 @@ class EngineConfig:
     # captured at start-up; others run eagerly. CUDA nodes of one rank only.
     cuda_graph_max_bs: int = 64
     cuda_graph_max_context: int = 4096
+    # Batch-invariant ops (SGLang's flag name): a request's tokens and logprobs are the same
+    # bits whatever else runs with it (pdserve/models/batch_invariant.py).
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -117,6 +120,8 @@ class EngineConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.cuda_graph_max_bs < 0 or self.cuda_graph_max_context < 1:
             raise ValueError("cuda_graph_max_bs must be >= 0 and cuda_graph_max_context >= 1")
+        if self.tp_size > 1 and self.enable_deterministic_inference:
+            raise ValueError("--enable-deterministic-inference does not support --tp-size > 1")
         if self.tp_size > 1 and self.enable_hierarchical_cache:
             raise ValueError("--enable-hierarchical-cache does not support --tp-size > 1 yet")
 
@@ -261,6 +266,10 @@ _HELP = {
     "hicache_mooncake_segment_mb": "mooncake storage tier: memory (MiB) this node lends "
                                    "the store",
     "hicache_mooncake_protocol": "mooncake storage tier: tcp or rdma",
+    "enable_deterministic_inference": "batch-invariant ops: a request's tokens and logprobs "
+                                      "are the same bits whatever else is in its batches, "
+                                      "however its prompt is chunked, colocated or "
+                                      "disaggregated (slower: docs/serving.md)",
     "cuda_graph_max_bs": "CUDA: decode batches of up to this many requests replay CUDA graphs "
                          "captured at start-up (one per row and context bucket; 0: off). "
                          "Ignored on CPU and with --tp-size > 1",

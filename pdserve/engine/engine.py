@@ -31,6 +31,7 @@ from pdserve.engine.tp_driver import send_init, start_tp
 from pdserve.memory.host_pool import HostKVPool, host_pages_for, host_pool_bytes
 from pdserve.memory.kv_pool import KVLayout, KVPool
 from pdserve.memory.req_to_token import ReqToTokenPool
+from pdserve.models import batch_invariant
 from pdserve.models.attention_backends import choose_attention
 from pdserve.models.loader import LoadedModel, load_model
 from pdserve.models.ops import choose_ops
@@ -55,6 +56,9 @@ class Engine:
         self.attn_choice = choose_attention(cfg.attention_backend, self.ops_choice.ops,
                                             self.device)
         self.loaded.model.ops = self.attn_choice.ops
+        if cfg.enable_deterministic_inference:
+            self.loaded.model.ops = batch_invariant.wrap(self.attn_choice.ops,
+                                                         self.attn_choice.backend)
         log.info("decoder ops: %s (%s); attention: %s (%s)", self.ops_choice.kind,
                  self.ops_choice.reason, self.attn_choice.backend, self.attn_choice.reason)
         self.tokenizer = load_tokenizer(self.loaded.path)
@@ -113,7 +117,7 @@ class Engine:
         them off (reason in /server_info)."""
         cfg = self.cfg
         if (self.device.type != "cuda" or cfg.cuda_graph_max_bs == 0 or self.tp is not None
-                or not self.role.runs_decode):
+                or not self.role.runs_decode or cfg.enable_deterministic_inference):
             return None
         context = min(self.context_length, cfg.cuda_graph_max_context)
         graphs = DecodeGraphs(self.loaded.model, self.kv_pool, self.device,
@@ -297,6 +301,7 @@ class Engine:
                 "attention_backend": self.attn_choice.backend,
                 "attention_backend_reason": self.attn_choice.reason,
                 "attention": self.runner.attention_paths(),
+                "deterministic_inference": self.cfg.enable_deterministic_inference,
                 "kv_pool_reason": self.pool_size.reason,
                 "cuda_graphs": self.runner.graphs_info(),
                 "device": str(self.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),

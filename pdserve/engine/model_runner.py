@@ -36,9 +36,15 @@ class ModelRunner:
         self.device = device
         self._paged_decode = model.paged_decode()  # decode rows read the pool in place
         self._paged_extend = model.paged_extend()  # and so do prompt rows, where supported
+        # Batch-invariant ops: every row, decode rows too, is a prompt row over the pool, so
+        # a token's attention never depends on which kind of row computed it.
+        self._one_group = getattr(getattr(model, "ops", None), "batch_invariant", False)
 
     def attention_paths(self) -> dict[str, str]:
         """Which attention serves each kind of row (docs/architecture.md: "Engine speed")."""
+        if self._one_group:
+            return {"decode": "batch-invariant (as one-token prompt rows)",
+                    "prompt": "batch-invariant"}
         return {"decode": "paged kernel" if self._paged_decode else "sdpa (gathered pages)",
                 "prompt": "paged kernel" if self._paged_extend else "sdpa"}
 
@@ -98,7 +104,7 @@ class ModelRunner:
         read in place by the paged kernel when the model has one, else SDPA over their own
         gathered pages), and build each group's indices. Host-side lengths come from
         `batch.rows`."""
-        n_dec = batch.num_decode_rows
+        n_dec = 0 if self._one_group else batch.num_decode_rows
         prompt = batch.rows[:len(batch.rows) - n_dec]
         ps = self.kv_pool.page_size
         decode_pages = t["kv_pages"][len(prompt):] if n_dec else None

@@ -1,0 +1,114 @@
+"""Batch-invariant ops: a request's result bits depend only on the request, never on what
+else is in its batch, how its prompt was chunked, or whether a row is a decode row or a
+prompt row (`--enable-deterministic-inference`; docs/serving.md: "Deterministic inference").
+
+Where a batch changes the bits in the normal ops:
+- Linears. A GEMM's kernel and its K blocking depend on the number of rows M (oneDNN
+  picks another algorithm past ~32 rows on AMX; the native kernels run a one-row bf16 GEMV
+  for M = 1), so the same row gets other rounding in another batch. Here every product
+  runs in fixed blocks of `ROWS` rows (the last one zero-padded): every row of every batch
+  goes through the same GEMM shape, whose per-row arithmetic does not depend on the other
+  rows of the block (tests/engine/test_batch_invariant.py checks both on the machine).
+- Attention. Decode rows and prompt rows have different kernels, and SDPA's blocking
+  depends on the chunk. Here every row, decode rows included, is a prompt row of one token
+  or more over its whole context in the pool (the model runner builds one row group,
+  `AttnMeta` without a decode group), served by a kernel whose per-token arithmetic depends
+  only on the token's position and context: the native bf16 extend kernel (key blocks
+  from position 0, masked keys add an exact 0: pdserve/kernels/extend_attention.cpp), or
+  elsewhere `token_attention`, which computes each token on its own.
+- Norms, rope, SiLU and sampling are per row already (per-request generators).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.models.ops import TorchOps
+
+ROWS = 16  # rows of every GEMM block: one decode batch of 16 pads nothing
+
+
+class BatchInvariantOps(TorchOps):
+    """The small ops of `base` (the `--kernels` and attention choice) with batch-invariant
+    linears and attention. `kernel_extend`: `base.extend_attention` is the native kernel,
+    whose tokens are already position-only (bf16); otherwise `token_attention` serves."""
+
+    batch_invariant = True
+
+    def __init__(self, base: TorchOps, kernel_extend: bool) -> None:
+        self.base, self.kernel_extend = base, kernel_extend
+        self.name = base.name
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] -> [M, N], in blocks of exactly ROWS rows through `base.linear`."""
+        m = x.shape[0]
+        if m == 0:
+            return self.base.linear(x, w, b)
+        pad = -m % ROWS
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        out = torch.cat([self.base.linear(x[i:i + ROWS], w, b)
+                         for i in range(0, m + pad, ROWS)])
+        return out[:m] if pad else out
+
+    def rms_norm(self, x, w, eps):
+        return self.base.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x, residual, w, eps):
+        return self.base.add_rms_norm(x, residual, w, eps)
+
+    def silu_and_mul(self, gate_up):
+        return self.base.silu_and_mul(gate_up)
+
+    def rope_and_store(self, qkv, cos, sin, k_buf, v_buf, slots, h, hkv):
+        return self.base.rope_and_store(qkv, cos, sin, k_buf, v_buf, slots, h, hkv)
+
+    def paged_decode(self, num_heads, num_kv_heads, head_dim):
+        return False  # no decode group: decode rows are one-token prompt rows
+
+    def paged_extend(self, dtype, num_heads, num_kv_heads, head_dim):
+        return True  # every row reads its context from the pool
+
+    def extend_attention(self, q, k_buf, v_buf, kv_pages, starts, lens, page_size, scale):
+        h, d = q.shape[1:]
+        if self.kernel_extend and self.base.paged_extend(q.dtype, h, k_buf.shape[1], d):
+            return self.base.extend_attention(q, k_buf, v_buf, kv_pages, starts, lens,
+                                              page_size, scale)
+        return token_attention(q, k_buf, v_buf, kv_pages, starts, lens, page_size, scale)
+
+
+def token_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                    kv_pages: torch.Tensor, starts: tuple[int, ...], lens: tuple[int, ...],
+                    page_size: int, scale: float) -> torch.Tensor:
+    """Causal attention where each new token is computed alone, over exactly its context
+    (keys 0..position), in float32: the same inputs reach the same ops of the same shapes
+    whatever the batch, the chunk, or decode vs prompt, so the bits are the token's own.
+    Slow (a few small ops per token and layer): the path for dtypes and devices without a
+    position-only kernel. q [T, H, D] (rows' new tokens, consecutive); pools [slots, Hkv, D];
+    kv_pages [B, P] -> [T, H*D]."""
+    t, h, d = q.shape
+    hkv = k_buf.shape[1]
+    g = h // hkv
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    first = 0
+    for i, (start, n) in enumerate(zip(starts, lens, strict=True)):
+        ctx = start + n
+        pages = kv_pages[i, :-(-ctx // page_size)]
+        slots = (pages.view(-1, 1) * page_size
+                 + torch.arange(page_size, device=q.device)).view(-1)[:ctx]
+        keys = k_buf[slots].float().transpose(0, 1)  # [Hkv, ctx, D]
+        values = v_buf[slots].float().transpose(0, 1)
+        for j in range(n):
+            L = start + j + 1
+            qt = q[first + j].float().view(hkv, g, d)  # [Hkv, G, D]
+            s = torch.matmul(qt, keys[:, :L].transpose(1, 2)) * scale  # [Hkv, G, L]
+            p = torch.softmax(s, dim=-1)
+            out[first + j] = torch.matmul(p, values[:, :L]).view(h, d).to(q.dtype)
+        first += n
+    return out.view(t, h * d)
+
+
+def wrap(base: TorchOps, backend: str) -> BatchInvariantOps:
+    """The batch-invariant form of an attention choice's ops (`backend`: native | triton |
+    torch). Only the native CPU extend kernel is position-only as it stands."""
+    return BatchInvariantOps(base, kernel_extend=backend == "native")

@@ -1,0 +1,42 @@
+"""bfloat16 with `--enable-deterministic-inference`: a PD request's tokens equal the
+colocated node's for the same prompt sent alone, on both transfer backends, although the
+prefill node runs it in a chunked batch of others and the decode node decodes it beside
+them (pdserve/models/batch_invariant.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pd_pair import BACKENDS, SMOLLM, PDCluster, greedy
+
+from pdserve import LLM
+
+FLAGS = {"dtype": "bfloat16", "enable_deterministic_inference": True,
+         "max_total_tokens": 4096}
+_rng = random.Random(11)
+PROMPTS = [[_rng.randrange(100, 40000) for _ in range(_rng.randrange(17, 200))]
+           for _ in range(6)]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def colocated_alone() -> list[list[int]]:
+    llm = LLM(SMOLLM, **FLAGS, loop="overlap", chunked_prefill_size=0)
+    try:
+        return [llm.generate(p, greedy(NEW_TOKENS))[0].output_ids for p in PROMPTS]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pd_bf16_equals_colocated_alone(backend, colocated_alone):
+    cluster = PDCluster(SMOLLM, backend, prefills=[{**FLAGS, "chunked_prefill_size": 64}],
+                        decodes=[FLAGS])
+    try:
+        legs = cluster.generate(PROMPTS, greedy(NEW_TOKENS))
+        got = [leg.output_ids for leg in legs]
+        assert got == colocated_alone
+        cluster.assert_pools_full()
+    finally:
+        cluster.close()
