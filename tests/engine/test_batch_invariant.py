@@ -125,3 +125,23 @@ def test_tensor_parallel_with_the_flag_is_refused():
 
     with pytest.raises(ValueError, match="deterministic"):
         EngineConfig(tp_size=2, enable_deterministic_inference=True)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", SMOLLM])
+def test_a_cache_hit_and_a_continuation_give_the_same_bits(model):
+    """A prompt served from the prefix cache, and prompt + k generated tokens sent again (what
+    a router migration does: the k tokens' KV is recomputed as prompt rows) continue with
+    the same tokens and logprob bits."""
+    llm = get_llm(model, dtype="bfloat16", chunked_prefill_size=64,
+                  enable_deterministic_inference=True)
+    prompt = PROMPTS[3]
+    first = llm.generate(prompt, PARAMS)[0]
+    again = llm.generate(prompt, PARAMS)[0]
+    assert again.cached_tokens > 0
+    assert (again.output_ids, again.logprobs) == (first.output_ids, first.logprobs)
+    k = 7
+    tail = SamplingParams(max_new_tokens=PARAMS.max_new_tokens - k, temperature=0,
+                          ignore_eos=True, logprobs=0)
+    rest = llm.generate(prompt + first.output_ids[:k], tail)[0]
+    assert rest.output_ids == first.output_ids[k:]
+    assert rest.logprobs == first.logprobs[k:]
