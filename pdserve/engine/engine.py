@@ -55,10 +55,10 @@ class Engine:
         self.ops_choice = choose_ops(cfg.kernels, self.device)
         self.attn_choice = choose_attention(cfg.attention_backend, self.ops_choice.ops,
                                             self.device)
-        self.loaded.model.ops = self.attn_choice.ops
+        ops = self.attn_choice.ops
         if cfg.enable_deterministic_inference:
-            self.loaded.model.ops = batch_invariant.wrap(self.attn_choice.ops,
-                                                         self.attn_choice.backend)
+            ops = batch_invariant.wrap(ops, self.attn_choice.backend)
+        self.loaded.model.ops = ops
         log.info("decoder ops: %s (%s); attention: %s (%s)", self.ops_choice.kind,
                  self.ops_choice.reason, self.attn_choice.backend, self.attn_choice.reason)
         self.tokenizer = load_tokenizer(self.loaded.path)

@@ -23,21 +23,21 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.models.attention_backends import WithAttention
+from pdserve.models.llama import _gather_pages
 from pdserve.models.ops import TorchOps
 
 ROWS = 16  # rows of every GEMM block: one decode batch of 16 pads nothing
 
 
-class BatchInvariantOps(TorchOps):
+class BatchInvariantOps(WithAttention):
     """The small ops of `base` (the `--kernels` and attention choice) with batch-invariant
-    linears and attention. `kernel_extend`: `base.extend_attention` is the native kernel,
-    whose tokens are already position-only (bf16); otherwise `token_attention` serves."""
+    linears and attention (`InvariantAttention`)."""
 
     batch_invariant = True
 
     def __init__(self, base: TorchOps, kernel_extend: bool) -> None:
-        self.base, self.kernel_extend = base, kernel_extend
-        self.name = base.name
+        super().__init__(base, InvariantAttention(base, kernel_extend))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> [M, N], in blocks of exactly ROWS rows through `base.linear`."""
@@ -51,17 +51,14 @@ class BatchInvariantOps(TorchOps):
                          for i in range(0, m + pad, ROWS)])
         return out[:m] if pad else out
 
-    def rms_norm(self, x, w, eps):
-        return self.base.rms_norm(x, w, eps)
 
-    def add_rms_norm(self, x, residual, w, eps):
-        return self.base.add_rms_norm(x, residual, w, eps)
+class InvariantAttention:
+    """Every row is a prompt row over the pool. `kernel_extend`: `base.extend_attention` is
+    the native kernel, whose tokens are already position-only (bf16); otherwise
+    `token_attention` serves."""
 
-    def silu_and_mul(self, gate_up):
-        return self.base.silu_and_mul(gate_up)
-
-    def rope_and_store(self, qkv, cos, sin, k_buf, v_buf, slots, h, hkv):
-        return self.base.rope_and_store(qkv, cos, sin, k_buf, v_buf, slots, h, hkv)
+    def __init__(self, base: TorchOps, kernel_extend: bool) -> None:
+        self.base, self.kernel_extend = base, kernel_extend
 
     def paged_decode(self, num_heads, num_kv_heads, head_dim):
         return False  # no decode group: decode rows are one-token prompt rows
@@ -93,11 +90,9 @@ def token_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     first = 0
     for i, (start, n) in enumerate(zip(starts, lens, strict=True)):
         ctx = start + n
-        pages = kv_pages[i, :-(-ctx // page_size)]
-        slots = (pages.view(-1, 1) * page_size
-                 + torch.arange(page_size, device=q.device)).view(-1)[:ctx]
-        keys = k_buf[slots].float().transpose(0, 1)  # [Hkv, ctx, D]
-        values = v_buf[slots].float().transpose(0, 1)
+        pages = kv_pages[i:i + 1, :-(-ctx // page_size)]
+        keys = _gather_pages(k_buf, pages, page_size)[0, :, :ctx].float()  # [Hkv, ctx, D]
+        values = _gather_pages(v_buf, pages, page_size)[0, :, :ctx].float()
         for j in range(n):
             L = start + j + 1
             qt = q[first + j].float().view(hkv, g, d)  # [Hkv, G, D]
