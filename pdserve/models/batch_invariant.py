@@ -5,21 +5,26 @@ prompt row (`--enable-deterministic-inference`; docs/serving.md: "Deterministic 
 Where a batch changes the bits in the normal ops:
 - Linears. A GEMM's kernel and its K blocking depend on the number of rows M (oneDNN
   picks another algorithm past ~32 rows on AMX; the native kernels run a one-row bf16 GEMV
-  for M = 1), so the same row gets other rounding in another batch. Here every product
-  runs in fixed blocks of `ROWS` rows (the last one zero-padded): every row of every batch
-  goes through the same GEMM shape, whose per-row arithmetic does not depend on the other
-  rows of the block (tests/engine/test_batch_invariant.py checks both on the machine).
+  for M = 1; cuBLAS picks split-K and tiles by shape), so the same row gets other rounding
+  in another batch. On CPU every product runs in fixed blocks of `ROWS` rows (the last one
+  zero-padded): every row of every batch goes through the same GEMM shape, whose per-row
+  arithmetic does not depend on the other rows of the block (tests/engine/
+  test_batch_invariant.py checks both on the machine). With the Triton backend a Triton
+  GEMM with fixed tiles and no split-K serves (pdserve/kernels/triton_matmul.py).
 - Attention. Decode rows and prompt rows have different kernels, and SDPA's blocking
   depends on the chunk. Here every row, decode rows included, is a prompt row of one token
   or more over its whole context in the pool (the model runner builds one row group,
   `AttnMeta` without a decode group), served by a kernel whose per-token arithmetic depends
-  only on the token's position and context: the native bf16 extend kernel (key blocks
-  from position 0, masked keys add an exact 0: pdserve/kernels/extend_attention.cpp), or
-  elsewhere `token_attention`, which computes each token on its own.
+  only on the token's position and context: the native bf16 extend kernel or the Triton
+  extend kernel (both walk key blocks from position 0, and a masked key adds an exact 0:
+  pdserve/kernels/extend_attention.cpp, triton_attention.py), or elsewhere
+  `token_attention`, which computes each token on its own.
 - Norms, rope, SiLU and sampling are per row already (per-request generators).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -36,11 +41,17 @@ class BatchInvariantOps(WithAttention):
 
     batch_invariant = True
 
-    def __init__(self, base: TorchOps, kernel_extend: bool) -> None:
+    def __init__(self, base: TorchOps, kernel_extend: bool,
+                 gemm: Callable[..., torch.Tensor] | None = None) -> None:
+        """`gemm(x, w, b)`: a batch-invariant GEMM of any M (the Triton one); None: blocks
+        of ROWS rows through `base.linear`."""
         super().__init__(base, InvariantAttention(base, kernel_extend))
+        self.gemm = gemm
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] -> [M, N], in blocks of exactly ROWS rows through `base.linear`."""
+        """x [M, K] -> [M, N], through `gemm` or in blocks of exactly ROWS rows."""
+        if self.gemm is not None:
+            return self.gemm(x, w, b)
         m = x.shape[0]
         if m == 0:
             return self.base.linear(x, w, b)
@@ -54,7 +65,7 @@ class BatchInvariantOps(WithAttention):
 
 class InvariantAttention:
     """Every row is a prompt row over the pool. `kernel_extend`: `base.extend_attention` is
-    the native kernel, whose tokens are already position-only (bf16); otherwise
+    a kernel whose tokens are already position-only (native bf16, Triton); otherwise
     `token_attention` serves."""
 
     def __init__(self, base: TorchOps, kernel_extend: bool) -> None:
@@ -105,5 +116,9 @@ def token_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 
 def wrap(base: TorchOps, backend: str) -> BatchInvariantOps:
     """The batch-invariant form of an attention choice's ops (`backend`: native | triton |
-    torch). Only the native CPU extend kernel is position-only as it stands."""
+    torch). The native and Triton extend kernels are position-only; SDPA is not."""
+    if backend == "triton":
+        from pdserve.kernels import triton_matmul
+
+        return BatchInvariantOps(base, kernel_extend=True, gemm=triton_matmul.linear)
     return BatchInvariantOps(base, kernel_extend=backend == "native")
