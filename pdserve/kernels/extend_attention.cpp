@@ -15,6 +15,11 @@
 // A query row's arithmetic depends only on its position and context, never on the tile, the
 // chunk or the batch it comes in: key blocks always start at position 0 and masked keys add
 // an exact 0. So a prompt prefilled in one piece or in chunks gets the same bits.
+// A row whose tile fits one register group (new tokens x G <= kR: a decode row served as a
+// one-token prompt row, as `--enable-deterministic-inference` does) reads each key once, so
+// packing would copy the context only to read it once: such rows build the same vectors
+// straight from the pool (`PoolKV`: a gather per K vector, an interleave per V vector) and
+// run the same instructions on them, hence the same bits.
 //
 // Shapes: T tokens, H / Hkv query / KV heads (G = H / Hkv), D head dim (% 16 == 0, <= 256),
 // B requests, P pages per request, ps page size; pools [slots, Hkv, D].
@@ -87,6 +92,59 @@ void pack(const bf16* kb, const bf16* vb, const int64_t* pages, int64_t len, int
   });
 }
 
+// The vectors the dot products read, from the packed copies (layouts above).
+struct PackedKV {
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t D;
+  // K vector c of key block kb, dim pair pr: 16 keys' (2 pr, 2 pr + 1)
+  __m512i kvec(int64_t kb, int c, int64_t pr) const {
+    return _mm512_loadu_si512(k + ((kb * 4 + c) * (D / 2) + pr) * 32);
+  }
+  // V vector of key pair jp of block kb, dims 16 cc..16 cc + 15: (key 2 jp, key 2 jp + 1)
+  __m512i vvec(int64_t kb, int64_t jp, int64_t cc) const {
+    return _mm512_loadu_si512(v + kb * kBK * D + (jp * D + cc * 16) * 2);
+  }
+};
+
+// The same vectors built from the pool in place; keys past the context read as 0, like the
+// packed copies' padding. at[j]: key j's row, counted in 32-bit units from the buffer start.
+struct PoolKV {
+  const int32_t* k;  // the K buffer as pairs of bf16
+  const uint16_t* v;
+  const int32_t* at;  // [len_pad], -1 past the context
+  int64_t D;
+  __m512i kvec(int64_t kb, int c, int64_t pr) const {
+    const __m512i idx = _mm512_loadu_si512(at + kb * kBK + c * 16);
+    const __mmask16 in = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512());
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in,
+                                       _mm512_add_epi32(idx, _mm512_set1_epi32((int32_t)pr)),
+                                       k, 4);
+  }
+  __m512i vvec(int64_t kb, int64_t jp, int64_t cc) const {
+    const int64_t j = kb * kBK + 2 * jp;
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i a = at[j] < 0 ? zero : _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(v + 2 * (int64_t)at[j] + cc * 16));
+    const __m256i b = at[j + 1] < 0 ? zero : _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(v + 2 * (int64_t)at[j + 1] + cc * 16));
+    // lanes (a0, b0, a1, b1, ...): the packed V layout
+    const __m512i mix = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), mix,
+                                     _mm512_castsi256_si512(b));
+  }
+};
+
+// Row offsets of a context's keys for PoolKV (in 32-bit units: slot * tok + off is even).
+void key_rows(const int64_t* pages, int64_t len, int64_t ps, int64_t tok, int64_t off,
+              std::vector<int32_t>& at) {
+  at.assign((len + kBK - 1) / kBK * kBK + 2, -1);  // +2: vvec's pair past an odd end
+  for (int64_t j = 0; j < len; ++j)
+    at[j] = static_cast<int32_t>((pages[j / ps] * ps * tok + (j % ps) * tok + off) / 2);
+}
+
 struct Tile {  // kBQ tokens of one request x the G heads of one KV head
   int64_t b, hk, i0, i1;
 };
@@ -99,19 +157,20 @@ struct Scratch {
   std::vector<float> o;     // [rows][D] unnormalised output
   std::vector<float> m, l16, alpha;  // per row: running max, running sum (16 lanes)
   std::vector<int64_t> last;         // per row: its last visible key (-1: a padding row)
+  std::vector<int32_t> at;           // PoolKV's key rows
 };
 
 // s[r][0..kBK) = scale * q_r . k_j for the keys of block kb, kR rows at a time.
-void scores(const Scratch& w, const uint16_t* kp, int64_t kb, int64_t rows, int64_t D,
+template <class KV>
+void scores(const Scratch& w, const KV& src, int64_t kb, int64_t rows, int64_t D,
             float scale, float* s) {
   for (int64_t r0 = 0; r0 < rows; r0 += kR) {
     __m512 acc[kR][4];
     for (auto& a : acc)
       for (auto& x : a) x = _mm512_setzero_ps();
-    const uint16_t* kblk = kp + kb * 4 * D * 16;  // 4 vectors of 16 keys, D / 2 pairs each
     for (int64_t pr = 0; pr < D / 2; ++pr) {
-      __m512i kv[4];
-      for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_si512(kblk + (c * D / 2 + pr) * 32);
+      __m512i kv[4];  // 4 vectors of 16 keys
+      for (int c = 0; c < 4; ++c) kv[c] = src.kvec(kb, c, pr);
       for (int64_t r = 0; r < kR; ++r) {
         const __m512i qb = bcast_pair(w.q.data() + (r0 + r) * D + 2 * pr);
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(kv[c]),
@@ -169,8 +228,8 @@ void softmax_rows(const float* s, int64_t k0, const int64_t* last, float* m, flo
 
 // o[r] = o[r] * alpha[r] + P[r] . V over the block's first 2 * `pairs` keys, for kR rows and
 // NC vectors of 16 dims from vector c0 (NC a constant: the accumulators stay in registers).
-template <int NC>
-void accumulate_dims(Scratch& w, const uint16_t* vblk, int64_t r0, int64_t c0, int64_t D,
+template <int NC, class KV>
+void accumulate_dims(Scratch& w, const KV& src, int64_t kb, int64_t r0, int64_t c0, int64_t D,
                      int64_t pairs) {
   __m512 acc[kR][NC];
   for (int64_t r = 0; r < kR; ++r) {
@@ -180,7 +239,7 @@ void accumulate_dims(Scratch& w, const uint16_t* vblk, int64_t r0, int64_t c0, i
   }
   for (int64_t jp = 0; jp < pairs; ++jp) {
     __m512i vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_si512(vblk + (jp * D + (c0 + c) * 16) * 2);
+    for (int c = 0; c < NC; ++c) vv[c] = src.vvec(kb, jp, c0 + c);
     for (int64_t r = 0; r < kR; ++r) {
       const __m512i pb = bcast_pair(w.p.data() + (r0 + r) * kBK + 2 * jp);
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(vv[c]),
@@ -192,21 +251,22 @@ void accumulate_dims(Scratch& w, const uint16_t* vblk, int64_t r0, int64_t c0, i
       _mm512_storeu_ps(w.o.data() + (r0 + r) * D + (c0 + c) * 16, acc[r][c]);
 }
 
-void accumulate(Scratch& w, const uint16_t* vp, int64_t kb, int64_t rows, int64_t D,
+template <class KV>
+void accumulate(Scratch& w, const KV& src, int64_t kb, int64_t rows, int64_t D,
                 int64_t pairs) {
-  const uint16_t* vblk = vp + kb * kBK * D;
   for (int64_t r0 = 0; r0 < rows; r0 += kR)
     for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
       switch (std::min<int64_t>(4, D / 16 - c0)) {
-        case 4: accumulate_dims<4>(w, vblk, r0, c0, D, pairs); break;
-        case 3: accumulate_dims<3>(w, vblk, r0, c0, D, pairs); break;
-        case 2: accumulate_dims<2>(w, vblk, r0, c0, D, pairs); break;
-        default: accumulate_dims<1>(w, vblk, r0, c0, D, pairs); break;
+        case 4: accumulate_dims<4>(w, src, kb, r0, c0, D, pairs); break;
+        case 3: accumulate_dims<3>(w, src, kb, r0, c0, D, pairs); break;
+        case 2: accumulate_dims<2>(w, src, kb, r0, c0, D, pairs); break;
+        default: accumulate_dims<1>(w, src, kb, r0, c0, D, pairs); break;
       }
     }
 }
 
-void run_tile(const Tile& t, const Packed& pk, const bf16* qp, int64_t qrow, int64_t G,
+template <class KV>
+void run_tile(const Tile& t, const KV& src, const bf16* qp, int64_t qrow, int64_t G,
               int64_t D, int64_t start, float scale, bf16* op, int64_t orow, Scratch& w) {
   const int64_t rows = (t.i1 - t.i0) * G, rpad = (rows + kR - 1) / kR * kR;
   w.q.assign(rpad * D, 0);
@@ -224,12 +284,12 @@ void run_tile(const Tile& t, const Packed& pk, const bf16* qp, int64_t qrow, int
   const int64_t last_key = start + t.i1 - 1;
   for (int64_t kb = 0; kb * kBK <= last_key; ++kb) {
     const int64_t k0 = kb * kBK;
-    scores(w, pk.k.data(), kb, rpad, D, scale, w.s.data());
+    scores(w, src, kb, rpad, D, scale, w.s.data());
     for (int64_t r = 0; r < rpad; r += kR)
       softmax_rows(w.s.data() + r * kBK, k0, w.last.data() + r, w.m.data() + r,
                    w.l16.data() + r * 16, w.alpha.data() + r, w.p.data() + r * kBK);
     const int64_t pairs = (std::min(kBK, last_key - k0 + 1) + 1) / 2;
-    accumulate(w, pk.v.data(), kb, rpad, D, pairs);
+    accumulate(w, src, kb, rpad, D, pairs);
   }
   for (int64_t r = 0; r < rows; ++r) {
     bf16* o = op + (t.i0 + r / G) * orow + (t.hk * G + r % G) * D;
@@ -246,10 +306,15 @@ void extend_impl(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& 
   const auto* tp = table.data_ptr<int64_t>();
   std::vector<int64_t> first(B + 1, 0);  // row b's tokens: [first[b], first[b + 1])
   for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + lens[b];
+  // in place: one register group per tile, and offsets that fit PoolKV's int32 gather
+  const bool fits = kbuf.numel() / 2 < (int64_t{1} << 31) - 1;
+  std::vector<char> in_place(B);
+  for (int64_t b = 0; b < B; ++b) in_place[b] = fits && lens[b] * G <= kR;
   std::vector<Packed> packed(B * Hkv);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
     for (int64_t x = b0; x < e0; ++x) {
       const int64_t b = x / Hkv, hk = x % Hkv;
+      if (in_place[x / Hkv]) continue;
       pack(kbuf.data_ptr<bf16>(), vbuf.data_ptr<bf16>(), tp + b * P, starts[b] + lens[b], ps,
            tok, hk * D, D, packed[x]);
     }
@@ -272,8 +337,19 @@ void extend_impl(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t x = 0; x < n; ++x) {
       const Tile& t = tiles[x];
-      run_tile(t, packed[t.b * Hkv + t.hk], qp + first[t.b] * q.stride(0), q.stride(0), G, D,
-               starts[t.b], sc, op + first[t.b] * H * D, H * D, w);
+      const bf16* qt = qp + first[t.b] * q.stride(0);
+      bf16* ot = op + first[t.b] * H * D;
+      if (in_place[t.b]) {
+        key_rows(tp + t.b * P, starts[t.b] + lens[t.b], ps, tok, t.hk * D, w.at);
+        const PoolKV src{reinterpret_cast<const int32_t*>(kbuf.data_ptr<bf16>()),
+                         reinterpret_cast<const uint16_t*>(vbuf.data_ptr<bf16>()),
+                         w.at.data(), D};
+        run_tile(t, src, qt, q.stride(0), G, D, starts[t.b], sc, ot, H * D, w);
+      } else {
+        const Packed& pk = packed[t.b * Hkv + t.hk];
+        run_tile(t, PackedKV{pk.k.data(), pk.v.data(), D}, qt, q.stride(0), G, D, starts[t.b],
+                 sc, ot, H * D, w);
+      }
     }
   }
 }

@@ -9,8 +9,10 @@ Where a batch changes the bits in the normal ops:
   in another batch. On CPU every product runs in fixed blocks of `ROWS` rows (the last one
   zero-padded): every row of every batch goes through the same GEMM shape, whose per-row
   arithmetic does not depend on the other rows of the block (tests/engine/
-  test_batch_invariant.py checks both on the machine). With the Triton backend a Triton
-  GEMM with fixed tiles and no split-K serves (pdserve/kernels/triton_matmul.py).
+  test_batch_invariant.py checks both on the machine). Long inputs take blocks of `WIDE`
+  rows for a weight where those give the same bits (checked per weight: `wide_ok`). With
+  the Triton backend a Triton GEMM with fixed tiles and no split-K serves
+  (pdserve/kernels/triton_matmul.py).
 - Attention. Decode rows and prompt rows have different kernels, and SDPA's blocking
   depends on the chunk. Here every row, decode rows included, is a prompt row of one token
   or more over its whole context in the pool (the model runner builds one row group,
@@ -33,6 +35,8 @@ from pdserve.models.llama import _gather_pages
 from pdserve.models.ops import TorchOps
 
 ROWS = 16  # rows of every GEMM block: one decode batch of 16 pads nothing
+WIDE = 32  # rows of the blocks a long input takes where they give ROWS-row bits
+PROBE = 256  # seeded random rows that decide it, per weight
 
 
 class BatchInvariantOps(WithAttention):
@@ -47,11 +51,38 @@ class BatchInvariantOps(WithAttention):
         of ROWS rows through `base.linear`."""
         super().__init__(base, InvariantAttention(base, kernel_extend))
         self.gemm = gemm
+        self._wide: dict[int, tuple[torch.Tensor, bool]] = {}  # id(w) -> (w, WIDE ok)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] -> [M, N], through `gemm` or in blocks of exactly ROWS rows."""
+        """x [M, K] -> [M, N], through `gemm`, or in blocks of WIDE rows where they give the
+        bits of ROWS-row blocks and blocks of exactly ROWS rows for the rest."""
         if self.gemm is not None:
             return self.gemm(x, w, b)
+        m = x.shape[0]
+        wide = m - m % WIDE if m >= WIDE and self.wide_ok(w, b) else 0
+        if wide == 0:
+            return self._blocked(x, w, b)
+        parts = [self.base.linear(x[i:i + WIDE], w, b) for i in range(0, wide, WIDE)]
+        if wide < m:
+            parts.append(self._blocked(x[wide:], w, b))
+        return torch.cat(parts)
+
+    def wide_ok(self, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+        """Whether WIDE-row GEMMs of `w` give every row the bits of ROWS-row ones: where the
+        library runs one kernel for both (oneDNN on AMX does for 16 and 32 rows, not for 64).
+        Decided once per weight on PROBE seeded random rows: two kernels differ by an ulp in
+        about one row in ten, so equal outputs mean one kernel."""
+        entry = self._wide.get(id(w))
+        if entry is None:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(PROBE, w.shape[1], generator=g).to(w.dtype)
+            wide = torch.cat([self.base.linear(x[i:i + WIDE], w, b)
+                              for i in range(0, PROBE, WIDE)])
+            entry = self._wide[id(w)] = (w, torch.equal(wide, self._blocked(x, w, b)))
+        return entry[1]
+
+    def _blocked(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in blocks of exactly ROWS rows (the last one zero-padded)."""
         m = x.shape[0]
         if m == 0:
             return self.base.linear(x, w, b)

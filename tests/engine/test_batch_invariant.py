@@ -39,6 +39,8 @@ def test_blocked_linear_rows_are_the_same_bits_in_any_batch(base):
     for m, off in [(1, 0), (1, 7), (5, 3), (ROWS, 0), (ROWS + 1, 2), (40, 11), (129, 100)]:
         assert torch.equal(ops.linear(x[off:off + m], w, b), full[off:off + m]), (m, off)
     assert ops.linear(x[:0], w, b).shape == (0, 1536)
+    # WIDE-row blocks, where the probe lets a weight take them, give the ROWS-row bits
+    assert torch.equal(full, ops._blocked(x, w, b)), ops.wide_ok(w, b)
     # the same products as the plain GEMM, to bf16 rounding of the output
     torch.testing.assert_close(full.float(), F.linear(x, w, b).float(), atol=0.06, rtol=0.02)
 

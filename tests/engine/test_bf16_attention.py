@@ -120,6 +120,28 @@ def test_same_bits_whatever_the_chunking_and_batching(native):
 
 
 @needs_kernel
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 1, 32), (8, 2, 128), (6, 2, 96)])
+def test_rows_read_in_place_give_the_packed_rows_bits(native, h, hkv, d):
+    """Rows of one register group (new tokens x G <= 4, decode rows among them) read the
+    pool in place instead of packing it: each token's bits equal the same token inside a
+    long prompt row (packed), at ends that cut a key block, a key pair and a page."""
+    n = 200
+    q, k_buf, v_buf, table = _case(h, hkv, d, [(0, n)], seed=11)
+    whole = native.extend_attention(q, k_buf, v_buf, table, (0,), (n,), PS, d**-0.5)
+    g = h // hkv
+    ends = [1, 2, 17, 63, 64, 65, 128, 199, 200]  # context of each one-token row
+    if g <= 2:  # two-token rows are in place too
+        ends += [-150]
+    starts = tuple(abs(e) - (2 if e < 0 else 1) for e in ends)
+    lens = tuple(2 if e < 0 else 1 for e in ends)
+    rows_q = torch.cat([q[s:s + n_] for s, n_ in zip(starts, lens, strict=True)])
+    tables = table.expand(len(ends), -1).contiguous()
+    out = native.extend_attention(rows_q, k_buf, v_buf, tables, starts, lens, PS, d**-0.5)
+    want = torch.cat([whole[s:s + n_] for s, n_ in zip(starts, lens, strict=True)])
+    assert torch.equal(out, want)
+
+
+@needs_kernel
 @pytest.mark.parametrize("starts,lens,needle", [
     ((0,), (10,), "sum to"),  # q has 20 tokens
     ((0, 0), (20,), "one start"),
