@@ -106,6 +106,12 @@ def test_deterministic_tokens_and_logprobs_ignore_batch_and_chunk(model):
     assert alone64 == together64[:3], "a prompt alone vs inside a batch of 10 (chunk 64)"
     assert alone0 == together0[:3], "a prompt alone vs inside a batch of 10 (unchunked)"
     assert together64 == together0, "chunked at 64 vs unchunked"
+    # inside a batch of 32 mixed lengths, chunked at 128
+    llm = get_llm(model, dtype="bfloat16", chunked_prefill_size=128,
+                  enable_deterministic_inference=True, disable_prefix_cache=True)
+    crowd = llm.generate(PROMPTS[:3] + _prompts(29, 8), PARAMS)
+    assert [(o.output_ids, o.logprobs) for o in crowd[:3]] == alone64, "batch of 32, chunk 128"
+    discard_llm(llm)
     llm = get_llm(model, dtype="bfloat16", chunked_prefill_size=64,
                   enable_deterministic_inference=True, disable_prefix_cache=True)
     info = llm.engine.describe()

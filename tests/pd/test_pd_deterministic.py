@@ -1,7 +1,8 @@
 """bfloat16 with `--enable-deterministic-inference`: a PD request's tokens equal the
 colocated node's for the same prompt sent alone, on both transfer backends, although the
 prefill node runs it in a chunked batch of others and the decode node decodes it beside
-them (pdserve/models/batch_invariant.py)."""
+them (pdserve/models/batch_invariant.py); sent again with its first tokens appended, as a
+router migration does, it goes on with the same tokens."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def test_pd_bf16_equals_colocated_alone(backend, colocated_alone):
         legs = cluster.generate(PROMPTS, greedy(NEW_TOKENS))
         got = [leg.output_ids for leg in legs]
         assert got == colocated_alone
+        # what a router migration sends: the prompt and the tokens out so far, as one
+        # prompt to another pair; the rest of the stream must not change
+        k = 5
+        rest = cluster.generate([p + out[:k] for p, out in zip(PROMPTS, got, strict=True)],
+                                greedy(NEW_TOKENS - k))
+        assert [leg.output_ids for leg in rest] == [out[k:] for out in got]
         cluster.assert_pools_full()
     finally:
         cluster.close()
