@@ -314,7 +314,7 @@ void extend_impl(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
     for (int64_t x = b0; x < e0; ++x) {
       const int64_t b = x / Hkv, hk = x % Hkv;
-      if (in_place[x / Hkv]) continue;
+      if (in_place[b]) continue;
       pack(kbuf.data_ptr<bf16>(), vbuf.data_ptr<bf16>(), tp + b * P, starts[b] + lens[b], ps,
            tok, hk * D, D, packed[x]);
     }
