@@ -99,6 +99,8 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
                 response.headers[EPOCH_HEADER] = await run_in_threadpool(store.epoch)
         return response
 
+    # Built per config at run time (its TTL bounds); FastAPI reads it from the annotation,
+    # a type checker cannot (hence the one ignore below).
     Registration = registration_model(config)
     auth = [Depends(require_token(config.token))] if config.token else []
     write_deps, read_deps = auth, (auth if config.token_reads else [])
@@ -114,20 +116,20 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
             **_errors(400, *auth_errors, 403, 409, 413, 422, 503),  # 400: body bytes not UTF-8
         },
     )
-    def put_node(node_id: NodeIdPath, body: Registration, response: Response,
-                 secret: SecretHeader = None) -> Any:
+    def put_node(node_id: NodeIdPath, body: Registration,  # type: ignore[valid-type]
+                 response: Response, secret: SecretHeader = None) -> Any:
         """Register or renew a node (a heartbeat is a full PUT of the record). Renewing
         needs the record's `X-Instance-Secret`; a new instance takes over a live record
         only once it expired (409 `node_id_in_use` until then)."""
         incoming = _incoming(config, node_id, body)
         _check_storable(incoming)
         fresh = secrets.token_urlsafe(32)
-        issued = _sha256(fresh)
+        issued = hashlib.sha256(fresh.encode()).hexdigest()
         outcome, record = store.put(incoming, incoming.pop("ttl_s"), _sha256(secret), issued)
         if outcome is PutOutcome.SUPERSEDED:
             raise ApiError(
                 409,
-                f"instance {body.instance_id} of node {node_id} was replaced by a newer one",
+                f"instance {incoming['instance_id']} of node {node_id} was replaced by a newer one",
                 "instance_superseded",
             )
         if outcome is PutOutcome.IN_USE:
@@ -145,7 +147,8 @@ def create_app(config: RegistryConfig, store: NodeStore) -> FastAPI:
         if outcome is PutOutcome.RENEWED:
             log.debug("renewed %s", node_id)
         else:
-            log.info("%s %s (%s, instance %s)", outcome.value, node_id, body.role, body.instance_id)
+            log.info("%s %s (%s, instance %s)", outcome.value, node_id, incoming["role"],
+                     incoming["instance_id"])
         assert record is not None
         answer = _public(record)
         if record.get(SECRET_FIELD) == issued:

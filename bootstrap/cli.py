@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from bootstrap.config import HTTP_DEFAULTS, LOG_LEVELS, RegistryConfig
+from bootstrap.config import HTTP_DEFAULTS, RegistryConfig
 from pdserve.flags import ConfigError, add_dataclass_flags, values_from
 from pdserve.http.limits import HttpLimits
 
@@ -50,38 +51,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
-    p.add_argument("--host", default=d.host, help="address to bind")
-    p.add_argument("--port", type=int, default=d.port, help="port to bind (0: any free port)")
+    add_dataclass_flags(p, RegistryConfig, "registry", skip=_BY_HAND)
+    # A secret may come from a file instead (it stays out of argv): each of these two
+    # flags shares a mutually exclusive group with its -file twin.
     store = p.add_mutually_exclusive_group()
-    store.add_argument(
-        "--store",
-        default=d.store,
-        help="'memory' (embedded, one process) or redis://HOST:PORT/DB (shared by replicas)",
-    )
+    store.add_argument("--store", default=d.store, help=_field_help("store"))
     store.add_argument(
         "--store-file", type=Path, default=None,
         help="read --store from this file (a Redis URL with a password stays out of argv)",
     )
-    p.add_argument("--key-prefix", default=d.key_prefix, help="prefix of every Redis key")
     tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--token", default=None, help="bearer token required for PUT/DELETE")
+    tok.add_argument("--token", default=d.token, help=_field_help("token"))
     tok.add_argument(
         "--token-file", type=Path, default=None, help="read --token from this file instead"
     )
-    p.add_argument(
-        "--token-reads", action="store_true", help="also require the token for GET /v1/nodes*"
-    )
-    p.add_argument(
-        "--default-ttl",
-        type=float,
-        default=d.default_ttl_s,
-        help="seconds a record lives when its registration names no ttl_s",
-    )
-    p.add_argument("--min-ttl", type=float, default=d.min_ttl_s, help="smallest ttl_s accepted")
-    p.add_argument("--max-ttl", type=float, default=d.max_ttl_s, help="largest ttl_s accepted")
-    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
     add_dataclass_flags(p, HttpLimits, "HTTP limits", defaults=HTTP_DEFAULTS)
     p.set_defaults(func=run)
+
+
+_BY_HAND = ("store", "token", "http")  # RegistryConfig fields with hand-written flags
+
+
+def _field_help(name: str) -> str:
+    return next(f.metadata["help"] for f in fields(RegistryConfig) if f.name == name)
 
 
 def config_from_args(args: argparse.Namespace) -> RegistryConfig:
@@ -97,19 +89,9 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
             store = args.store_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(f"--store-file: {exc}") from None
-    return RegistryConfig(
-        host=args.host,
-        port=args.port,
-        store=store,
-        key_prefix=args.key_prefix,
-        token=token,
-        token_reads=args.token_reads,
-        default_ttl_s=args.default_ttl,
-        min_ttl_s=args.min_ttl,
-        max_ttl_s=args.max_ttl,
-        http=HttpLimits(**values_from(HttpLimits, args)),
-        log_level=args.log_level,
-    )
+    return RegistryConfig(store=store, token=token,
+                          http=HttpLimits(**values_from(HttpLimits, args)),
+                          **values_from(RegistryConfig, args, skip=_BY_HAND))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pdserve.flags import ConfigError
+from pdserve.flags import ConfigError, opt
 from pdserve.http.limits import HttpLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -15,30 +15,30 @@ HTTP_DEFAULTS = {"max_body_bytes": 65536, "max_connections": 1024}
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    host: str = "127.0.0.1"
-    port: int = 8998
+    host: str = opt("127.0.0.1", "address to bind")
+    port: int = opt(8998, "port to bind (0: any free port)")
     # "memory" (embedded, one process) or a Redis URL (replicas share it, restarts keep it).
-    store: str = "memory"
+    # Its flag shares a group with --store-file (bootstrap/cli.py).
+    store: str = opt("memory", "'memory' (embedded, one process) or redis://HOST:PORT/DB "
+                               "(shared by replicas)")
     # Redis keys live under this prefix, so one Redis can hold several registries.
-    key_prefix: str = "pdserve:registry:"
-    # Bearer token for writes (PUT/DELETE); None: writes are open.
-    token: str | None = None
+    key_prefix: str = opt("pdserve:registry:", "prefix of every Redis key")
+    # Bearer token for writes (PUT/DELETE); None: writes are open. Flag beside --token-file.
+    token: str | None = opt(None, "bearer token required for PUT/DELETE")
     # Also require the token on reads (GET /v1/nodes...); /health stays open for probes.
-    token_reads: bool = False
+    token_reads: bool = opt(False, "also require the token for GET /v1/nodes*")
     # TTL of a record whose registration names none; nodes renew every TTL/3.
-    default_ttl_s: float = 10.0
+    default_ttl_s: float = opt(10.0, "seconds a record lives when its registration names "
+                                     "no ttl_s", flag="--default-ttl")
     # Bounds on a requested TTL: too short floods the registry, too long keeps the dead.
-    min_ttl_s: float = 0.5
-    max_ttl_s: float = 3600.0
+    min_ttl_s: float = opt(0.5, "smallest ttl_s accepted", flag="--min-ttl")
+    max_ttl_s: float = opt(3600.0, "largest ttl_s accepted", flag="--max-ttl")
+    log_level: str = opt("info", "", choices=LOG_LEVELS)
     # The HTTP bounds (body size: 413 before any parsing); the registry's bodies are small
     # records and its clients a cluster's nodes, hence its smaller defaults.
     http: HttpLimits = field(default_factory=lambda: HttpLimits(**HTTP_DEFAULTS))
-    log_level: str = "info"
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.store != "memory" and not self.store.startswith(REDIS_SCHEMES):

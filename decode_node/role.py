@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 
-from decode_node.state import DecodeState
+from decode_node.state import DecodeState, decode_state
 from kv_transfer import KVPoll, KVReceiver, KVTransferConfig
+from pdserve.disagg.leg import PDLegFields
 from pdserve.disagg.metadata import unpack_row
 from pdserve.disagg.tp_transfer import TPReceiver
 from pdserve.disagg.transfer_role import TransferRole
@@ -55,22 +56,21 @@ class DecodeRole(TransferRole):
         self.max_requests = ctx.max_running_requests
 
     # 1. arrival ------------------------------------------------------------------------------
-    def add_request(self, req: Req, extra: dict) -> None:
-        room = extra.pop("bootstrap_room", None)
-        endpoint = extra.pop("prefill_kv_endpoint", None)
-        endpoints = extra.pop("prefill_kv_endpoints", None) or [endpoint]
-        extra.pop("prefill_node_id", None)
-        extra.pop("decode_tp_size", None)  # the prefill leg's field: we know our own
-        if extra:
-            raise ValueError(f"unexpected fields for a decode node: {sorted(extra)}")
-        if not isinstance(room, int) or not 0 <= room < 1 << 63:
+    def add_request(self, req: Req, leg: PDLegFields | None) -> None:
+        # Types and ranges were checked when `leg` was built (pdserve/disagg/leg.py); the
+        # decode_tp_size of a prefill leg is ignored: we know our own.
+        if leg is None or leg.bootstrap_room is None:
             raise ValueError("a decode node needs `bootstrap_room` (an integer in [0, 2^63))")
-        if not endpoint:
+        room = leg.bootstrap_room
+        endpoints = list(leg.prefill_kv_endpoints)
+        if not endpoints:
             raise ValueError("a decode node needs `prefill_node_id` of a live prefill node")
+        endpoint = endpoints[0]
         # The prefill node computes the prompt's logprobs (and the first token's); the
         # router merges them in (docs/architecture.md: Logprobs).
         req.params.prompt_logprobs = None
         ctx = self.ctx
+        receiver: KVReceiver | TPReceiver
         if len(endpoints) == ctx.tp_size == 1:
             receiver = KVReceiver(self.mgr, room, endpoint)
         else:  # KV sliced by heads between the two TP sizes
@@ -91,7 +91,7 @@ class DecodeRole(TransferRole):
         self._poll_prealloc()
         committed = self._poll_transfers()
         for req in list(self.draining):
-            if req.pd.receiver.poll().terminal:
+            if decode_state(req).receiver.poll().terminal:
                 self.draining.remove(req)
                 self._free_meta(req)
                 self.out.complete(req, cache_it=False)
@@ -101,10 +101,10 @@ class DecodeRole(TransferRole):
     def _poll_prealloc(self) -> None:
         while self.prealloc:
             req = self.prealloc[0]
-            if req.pd.receiver.poll() == KVPoll.Failed:
+            if decode_state(req).receiver.poll() == KVPoll.Failed:
                 self.prealloc.pop(0)
-                self._fail(req, req.pd.receiver.failure_reason or "prefill peer failed",
-                           req.pd.receiver.peer_fault)
+                self._fail(req, decode_state(req).receiver.failure_reason or "prefill peer failed",
+                           decode_state(req).receiver.peer_fault)
                 continue
             if not self._try_allocate(req):
                 return  # FIFO: later requests wait behind the head
@@ -123,9 +123,11 @@ class DecodeRole(TransferRole):
         req.fill_ids = list(req.prompt_ids)
         if not self.kv.preallocate(req, len(req.prompt_ids)):
             return False
-        req.pd.meta_slot = self.meta.alloc()
+        pd = decode_state(req)
+        pd.meta_slot = slot = self.meta.alloc()
+        assert slot is not None  # num_free > 0 checked above
         first = req.cached_len // self.kv.page_size
-        req.pd.receiver.init(req.pages[first:], req.pd.meta_slot, prefix_len=req.cached_len)
+        pd.receiver.init(req.pages[first:], slot, prefix_len=req.cached_len)
         return True
 
     # 3. transfer queue --------------------------------------------------------------------
@@ -133,24 +135,24 @@ class DecodeRole(TransferRole):
         """True when a transfer completed (its request now has its first token)."""
         committed = False
         for req in list(self.transferring):
-            state = req.pd.receiver.poll()
+            state = decode_state(req).receiver.poll()
             if state == KVPoll.Success and self.kv.loading_pages(req):
                 continue  # its cached prefix is still loading from the HiCache host tier
             if state == KVPoll.Success:
                 self.transferring.remove(req)
                 self._commit(req)
                 committed = True
-            elif state == KVPoll.Failed or req.pd.receiver.doomed:
+            elif state == KVPoll.Failed or decode_state(req).receiver.doomed:
                 self.transferring.remove(req)
-                self._fail(req, req.pd.receiver.failure_reason or "KV transfer failed",
-                           req.pd.receiver.peer_fault)
+                self._fail(req, decode_state(req).receiver.failure_reason or "KV transfer failed",
+                           decode_state(req).receiver.peer_fault)
         return committed
 
     def _commit(self, req: Req) -> None:
-        room, token, _ = unpack_row(req.pd.receiver.metadata()[0])
+        room, token, _ = unpack_row(decode_state(req).receiver.metadata()[0])
         self._free_meta(req)
-        if room != req.pd.room:
-            self._fail(req, f"metadata row carries room {room}, expected {req.pd.room}")
+        if room != decode_state(req).room:
+            self._fail(req, f"metadata row carries room {room}, expected {decode_state(req).room}")
             return
         req.output_ids = [token]
         if req.params.logprobs is not None:
@@ -167,7 +169,7 @@ class DecodeRole(TransferRole):
         write can land), else once it is (`hold_on_finish`). `prefill_fault`: the prefill
         node caused it; the client (the router) is told so with the error code
         `prefill_failed`, to blame that node and retry elsewhere."""
-        if req.pd.receiver.poll().terminal:
+        if decode_state(req).receiver.poll().terminal:
             self._free_meta(req)
         req.error = f"KV transfer from the prefill node failed: {reason}" if prefill_fault \
             else reason
@@ -178,14 +180,14 @@ class DecodeRole(TransferRole):
     def hold_on_finish(self, req: Req) -> bool:
         if req in self.prealloc:
             self.prealloc.remove(req)
-            req.pd.receiver.abort(req.error or "aborted")
+            decode_state(req).receiver.abort(req.error or "aborted")
             return False
         if req in self.transferring:  # the prefill may still write into its pages
             self.transferring.remove(req)
-            req.pd.receiver.abort(req.error or "aborted")
+            decode_state(req).receiver.abort(req.error or "aborted")
             self.draining.append(req)
             return True
-        pd = req.pd
+        pd = decode_state(req) if req.pd is not None else None
         if pd is not None and pd.meta_slot is not None and not pd.receiver.poll().terminal:
             self.out.report(req)  # doomed: the client hears now, the pages wait
             self.draining.append(req)

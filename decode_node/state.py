@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kv_transfer import KVReceiver
+from pdserve.disagg.tp_transfer import TPReceiver
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Req
 
 
 @dataclass
 class DecodeState:
     room: int  # bootstrap_room shared with the prefill leg
-    receiver: KVReceiver  # this request's side of the transfer
+    receiver: KVReceiver | TPReceiver  # this request's side of the transfer
     meta_slot: int | None = None  # metadata row the first token arrives in, once pre-allocated
+
+
+def decode_state(req: Req) -> DecodeState:
+    """`req.pd` of a request this decode role admitted (it set it in `add_request`)."""
+    assert isinstance(req.pd, DecodeState), req.pd
+    return req.pd

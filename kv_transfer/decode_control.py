@@ -25,6 +25,7 @@ lease_margin_s` have passed since its last grant (it waits in `_fencing`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -314,10 +315,10 @@ class DecodeControl(ControlLoop):
         now = time.monotonic()
         peer = PrefillPeer(endpoint, sock, last_heard=now, down_since=now)
         self._peers[endpoint] = peer
-        self.add_socket(sock, lambda frames, p=peer: self._on_frames(p, frames))
+        self.add_socket(sock, functools.partial(self._on_frames, peer))
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         monitor.setsockopt(zmq.LINGER, 0)
-        self.add_socket(monitor, lambda frames, p=peer: self._on_monitor(p, frames))
+        self.add_socket(monitor, functools.partial(self._on_monitor, peer))
         return peer
 
     def _on_monitor(self, peer: PrefillPeer, frames: list[bytes]) -> None:

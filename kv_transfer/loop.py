@@ -8,7 +8,9 @@ enforce deadlines and heartbeats.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import queue
 import threading
@@ -60,7 +62,7 @@ class ControlLoop:
         next_tick = time.monotonic()
         while not self._stop.is_set():
             timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
-            ready = dict(self._poller.poll(timeout_ms))
+            ready = dict(self._poller.poll(math.ceil(timeout_ms)))
             if self._rfd in ready:
                 self._drain_pipe()
             self._run_calls()
@@ -68,7 +70,7 @@ class ControlLoop:
                 self._drain_socket(sock)
             now = time.monotonic()
             if now >= next_tick:
-                self._guarded(lambda now=now: self.on_tick(now))
+                self._guarded(functools.partial(self.on_tick, now))
                 next_tick = now + self._tick_s
         self._run_calls()
         for sock in list(self._sockets):
@@ -97,7 +99,7 @@ class ControlLoop:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._guarded(lambda frames=frames: handler(frames))
+            self._guarded(functools.partial(handler, frames))
             if sock not in self._sockets:
                 return
 

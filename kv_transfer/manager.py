@@ -68,6 +68,7 @@ class TransferManager:
             self._prefill.start()
         else:
             fence: WriteFence | None = WriteFence(lambda: self.stats.inc("fenced_writes"))
+            assert fence is not None
             if not self._backend.set_write_fence(fence):
                 fence = None  # one-sided writes: nothing on our side sees them
             self._decode = DecodeControl(self.args, self.config, self._registration(),

@@ -142,7 +142,7 @@ class Lease:
 
 
 Message = Register | Request | Abort | Ping | Status | AbortAck | Pong | LeaseAsk | Lease
-_BY_TAG: dict[str, type] = {c.TAG: c for c in (Register, Request, Abort, Ping, Status,
+_BY_TAG: dict[str, Any] = {c.TAG: c for c in (Register, Request, Abort, Ping, Status,
                                                 AbortAck, Pong, LeaseAsk, Lease)}
 _HINTS = {c: typing.get_type_hints(c) for c in _BY_TAG.values()}
 

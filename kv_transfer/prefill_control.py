@@ -437,7 +437,7 @@ class PrefillControl(ControlLoop):
                 self._reply(ident, Status(room, int(KVPoll.Failed), 0, 0, 0,
                                           "unknown room: no sender within the bootstrap timeout"))
         idle = max(60.0, 4 * hb)
-        live_peers = {r.peer for r in self._rooms.values()}
+        live_peers = {r.peer for r in self._rooms.values() if r.peer is not None}
         for ident in live_peers:  # renew the write leases of peers we have rooms with
             if (peer := self._peers.get(ident)) is not None and now >= peer.asks.next_ask:
                 self._reply(ident, peer.asks.ask(now, peer.asks.lease_s / 4))

@@ -28,7 +28,7 @@ _ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 def cpu_description() -> str:
     """The CPU model and the kernel-relevant extensions it has, e.g. "AMD EPYC (avx2), 2
     cores": every benchmark figure names the machine kind it was taken on."""
-    model, flags = "unknown CPU", set()
+    model, flags = "unknown CPU", set[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -3,14 +3,18 @@
 Every process kind's config is a frozen dataclass built once from the command line; this
 module is the one place that turns its fields into argparse flags and back, so a field and
 its flag cannot drift apart. A field's help text lives in its metadata (`opt(...)`), or in
-a `help` mapping the caller passes; other metadata (e.g. `choices`) goes to argparse.
+a `help` mapping the caller passes; other metadata (`choices`, `required`, `nargs`,
+`metavar`) goes to argparse. A flag is named after its field (`drain_timeout_s` ->
+`--drain-timeout-s`) unless the field's `flag=` (or the caller's `names` mapping, for a
+dataclass that cannot import this module) says otherwise; argparse then stores it under
+the flag's own name, so two configs' fields of one name (`host`) never collide.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import MISSING, field, fields
+from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -21,39 +25,85 @@ class ConfigError(ValueError):
     named; every CLI prints it on one line and exits non-zero."""
 
 
-def opt(default: Any, help: str, **extra: Any) -> Any:
-    """A dataclass field with its flag's help text (and argparse extras) attached."""
-    return field(default=default, metadata={"help": help, **extra})
+def opt(default: Any, help: str, *, flag: str | None = None, **extra: Any) -> Any:
+    """A dataclass field with its flag's help text, name (default: the field's) and
+    argparse extras attached. `default=MISSING` with `required=True`: a required flag."""
+    meta = {"help": help, **extra}
+    if flag is not None:
+        meta["flag"] = flag
+    if default is MISSING:
+        return field(metadata=meta)
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable default: use a tuple")
+    return field(default=default, metadata=meta)
 
 
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _flag(f: Field, names: Mapping[str, str] | None) -> str:
+    return (names or {}).get(f.name) or f.metadata.get("flag") or flag_name(f.name)
+
+
+def _dest(f: Field, names: Mapping[str, str] | None) -> str:
+    return _flag(f, names).lstrip("-").replace("-", "_")
+
+
+def _kind(f: Field) -> type:
+    """The scalar type argparse converts to: `int`, `float | None` -> float, `tuple[str,
+    ...]` -> str (with nargs), anything else str."""
+    if isinstance(f.type, type):
+        return f.type
+    name = str(f.type).split("|")[0].strip()
+    if name.startswith("tuple["):
+        name = name[len("tuple["):].split(",")[0].strip()
+    return _TYPES.get(name, str)
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, *,
                         defaults: Mapping[str, Any] | None = None, skip: tuple[str, ...] = (),
-                        help: Mapping[str, str] | None = None, show_default: bool = False
-                        ) -> None:
+                        help: Mapping[str, str] | None = None, show_default: bool = False,
+                        names: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
     """Register one flag per field of `cls` in a new argument group: booleans as
-    store_true, int/float as typed values, anything else as a string."""
+    store_true (`--x/--no-x` when the default is True), int/float as typed values,
+    tuples with `nargs`, anything else as a string. Returns the group (for flags that are
+    no field, such as a secret's `-file` twin)."""
     group = parser.add_argument_group(title)
     for f in fields(cls):
         if f.name in skip:
             continue
         text = f.metadata.get("help") or (help or {}).get(f.name, "")
-        extra = {k: v for k, v in f.metadata.items() if k != "help"}
-        if f.type in ("bool", bool):
-            group.add_argument(flag_name(f.name), action="store_true", help=text, **extra)
-            continue
+        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "flag")}
+        flag, dest = _flag(f, names), _dest(f, names)
         default = (defaults or {}).get(f.name, f.default)
-        assert default is not MISSING, f"{cls.__name__}.{f.name} needs a default"
-        kind = f.type if isinstance(f.type, type) else _TYPES.get(str(f.type), str)
+        if f.type in ("bool", bool):
+            action = argparse.BooleanOptionalAction if default is True else "store_true"
+            group.add_argument(flag, dest=dest, action=action, default=bool(default),
+                               help=text, **extra)
+            continue
+        if default is MISSING:
+            assert extra.get("required"), f"{cls.__name__}.{f.name} needs a default"
+            default = None
+        elif isinstance(default, tuple):
+            default = list(default) if default else None
         if show_default:  # argparse fills it in; a defaults formatter then adds no second
             text = f"{text} (default: %(default)r)"
-        group.add_argument(flag_name(f.name), type=kind, default=default, help=text, **extra)
+        group.add_argument(flag, dest=dest, type=_kind(f), default=default, help=text,
+                           **extra)
+    return group
 
 
-def values_from(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()
-                ) -> dict[str, Any]:
-    """The parsed value of every field of `cls` (the inverse of add_dataclass_flags)."""
-    return {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in skip}
+def values_from(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = (), *,
+                names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The parsed value of every field of `cls` (the inverse of add_dataclass_flags);
+    `nargs` lists come back as tuples."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        value = getattr(args, _dest(f, names))
+        if str(f.type).startswith("tuple["):
+            value = tuple(value or ())
+        out[f.name] = value
+    return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 
 from kv_transfer import KVPoll, KVSender, KVTransferConfig
+from pdserve.disagg.leg import PDLegFields
 from pdserve.disagg.metadata import pack_row
 from pdserve.disagg.tp_transfer import TPSender
 from pdserve.disagg.transfer_role import TransferRole
@@ -34,7 +35,7 @@ from pdserve.engine.batch import Batch
 from pdserve.engine.request import Req, ReqState
 from pdserve.engine.role import RoleContext
 from prefill_node.bookkeeping import SendProgress
-from prefill_node.state import PrefillState
+from prefill_node.state import PrefillState, prefill_state
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -58,17 +59,13 @@ class PrefillRole(TransferRole):
         self.page_size = ctx.kv.page_size
 
     # 1. arrival --------------------------------------------------------------------------
-    def add_request(self, req: Req, extra: dict) -> None:
-        room = extra.pop("bootstrap_room", None)
-        extra.pop("prefill_node_id", None)
-        # The decode node's TP size (the router's; absent: ours, rank to rank).
-        d_size = extra.pop("decode_tp_size", None) or self.ctx.tp_size
-        if extra:
-            raise ValueError(f"unexpected fields for a prefill node: {sorted(extra)}")
-        if not isinstance(room, int) or not 0 <= room < 1 << 63:
+    def add_request(self, req: Req, leg: PDLegFields | None) -> None:
+        # Types and ranges were checked when `leg` was built (pdserve/disagg/leg.py).
+        if leg is None or leg.bootstrap_room is None:
             raise ValueError("a prefill node needs `bootstrap_room` (an integer in [0, 2^63))")
-        if not isinstance(d_size, int) or not 1 <= d_size <= 1024:
-            raise ValueError("`decode_tp_size` must be an integer in [1, 1024]")
+        room = leg.bootstrap_room
+        # The decode node's TP size (the router's; absent: ours, rank to rank).
+        d_size = leg.decode_tp_size or self.ctx.tp_size
         req.params.max_new_tokens = 1  # the decode node generates the rest
         ctx = self.ctx
         sender = KVSender(self.mgr, room) if ctx.tp_size == d_size == 1 else TPSender(
@@ -83,28 +80,28 @@ class PrefillRole(TransferRole):
     # 2. bootstrap and 6. inflight ----------------------------------------------------------
     def poll(self) -> bool:
         for req in list(self.bootstrap):
-            state = req.pd.sender.poll()
+            state = prefill_state(req).sender.poll()
             if state == KVPoll.Failed:
-                self._fail(req, req.pd.sender.failure_reason or "decode peer failed")
+                self._fail(req, prefill_state(req).sender.failure_reason or "decode peer failed")
             elif state >= KVPoll.WaitingForInput:
                 slot = self.meta.alloc()
                 if slot is None:
                     break  # back-pressure: no metadata row free
-                req.pd.meta_slot = slot
-                req.pd.sender.init(req.pd.progress.total_pages, slot)
+                prefill_state(req).meta_slot = slot
+                prefill_state(req).sender.init(prefill_state(req).progress.total_pages, slot)
                 self.bootstrap.remove(req)
                 self.live.append(req)
                 self.queue.add(req)
         for req in list(self.live):
-            if req.pd.sender.poll() == KVPoll.Failed and not req.finished:
-                self._fail(req, req.pd.sender.failure_reason or "KV transfer failed")
+            if prefill_state(req).sender.poll() == KVPoll.Failed and not req.finished:
+                self._fail(req, prefill_state(req).sender.failure_reason or "KV transfer failed")
             elif req.load_op:
                 self._send_loaded(req)
         for req in list(self.inflight):
-            state = req.pd.sender.poll()
+            state = prefill_state(req).sender.poll()
             if state.terminal:
                 if state == KVPoll.Failed and not req.error:
-                    req.error = req.pd.sender.failure_reason or "KV transfer failed"
+                    req.error = prefill_state(req).sender.failure_reason or "KV transfer failed"
                 self.inflight.remove(req)
                 self._free_meta(req)
                 self.out.complete(req)
@@ -123,7 +120,7 @@ class PrefillRole(TransferRole):
     def on_admitted(self, req: Req) -> None:
         if not self.early_send or not req.cached_len:
             return
-        pages = req.pd.progress.early_send(req.cached_len, self.loading_pages(req))
+        pages = prefill_state(req).progress.early_send(req.cached_len, self.loading_pages(req))
         self._send(req, pages)
         self.early_sent_pages += len(pages)
 
@@ -131,10 +128,10 @@ class PrefillRole(TransferRole):
         """Cached pages held back because their load was pending go out, in order, as
         soon as the load is done (or with the next chunk result, whichever comes first)."""
         if (not self.early_send or req.state is not ReqState.RUNNING or req.slot is None
-                or req.pd.progress.sent_pages >= req.cached_len // self.page_size
+                or prefill_state(req).progress.sent_pages >= req.cached_len // self.page_size
                 or self.loading_pages(req)):
             return
-        pages = req.pd.progress.early_send(req.cached_len)
+        pages = prefill_state(req).progress.early_send(req.cached_len)
         self._send(req, pages)
         self.early_sent_pages += len(pages)
 
@@ -145,7 +142,7 @@ class PrefillRole(TransferRole):
             if bool(row.future_id) != (end == len(row.req.prompt_ids)):
                 raise RuntimeError(f"row of {row.req.rid} ends at {end} but samples="
                                    f"{bool(row.future_id)}")
-            row.req.pd.progress.chunk_scheduled(end)
+            prefill_state(row.req).progress.chunk_scheduled(end)
 
     def on_extend_processed(self, batch: Batch) -> None:
         """The batch's forward is done: each row's chunk is sent as the bookkeeping decides
@@ -156,11 +153,12 @@ class PrefillRole(TransferRole):
             # is complete; wait only for the copy thread to publish that (a few instructions).
             self.kv.wait_loaded(req)
             aborted = req.finish_reason in ("abort", "error")
-            pages, last = req.pd.progress.chunk_done(aborted, row_end=row.start + row.q_len)
+            pd = prefill_state(req)
+            pages, last = pd.progress.chunk_done(aborted, row_end=row.start + row.q_len)
             if last and not aborted:  # 5. the first token is known now
-                row_bytes = pack_row(req.pd.room, req.output_ids[0])
+                row_bytes = pack_row(pd.room, req.output_ids[0])
                 self._guard(req, pages)
-                req.pd.sender.send([req.pages[p] for p in pages], last=True, metadata=row_bytes)
+                pd.sender.send([req.pages[p] for p in pages], last=True, metadata=row_bytes)
             else:
                 self._send(req, pages)
 
@@ -170,12 +168,12 @@ class PrefillRole(TransferRole):
         and metadata row go out right after, in `on_extend_processed`."""
         if req in self.bootstrap:  # no KV yet
             self.bootstrap.remove(req)
-            req.pd.sender.abort(req.error or "aborted")
+            prefill_state(req).sender.abort(req.error or "aborted")
             return False
         if req in self.live:
             self.live.remove(req)
         if req.finish_reason in ("abort", "error"):
-            req.pd.sender.abort(req.error or req.finish_reason)
+            prefill_state(req).sender.abort(req.error or req.finish_reason)
         self.inflight.append(req)
         return True
 
@@ -185,16 +183,16 @@ class PrefillRole(TransferRole):
     def abort_held(self, req: Req) -> bool:
         """An abort while the KV is being sent (inflight queue): stop the transfer so the
         decode leg fails fast; the KV is freed once the sender is terminal."""
-        if req not in self.inflight or req.pd.sender.poll().terminal:
+        if req not in self.inflight or prefill_state(req).sender.poll().terminal:
             return False
         req.error, req.finish_reason = "aborted", "abort"
-        req.pd.sender.abort("aborted")
+        prefill_state(req).sender.abort("aborted")
         return True
 
     def _send(self, req: Req, pages: range) -> None:
         if len(pages):
             self._guard(req, pages)
-            req.pd.sender.send([req.pages[p] for p in pages])
+            prefill_state(req).sender.send([req.pages[p] for p in pages])
 
     def _guard(self, req: Req, pages: range) -> None:
         """Never hand the sender a page a HiCache load is still writing: it would ship

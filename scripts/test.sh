@@ -24,6 +24,7 @@ else
 fi
 
 ruff check .
+mypy  # over every package, settings in pyproject.toml
 # File order (reproducible); scripts/test_shuffled.sh runs the shuffled orders. `no:randomly`
 # keeps it so where pytest-randomly is installed, and is a no-op where it is not.
 # `-m "not slow"`: the long checks run in `bash scripts/slow_checks.sh` (README).

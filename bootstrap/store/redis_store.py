@@ -48,13 +48,18 @@ class RedisStore(NodeStore):
         with _unavailable_on_error():
             mine = uuid.uuid4().hex
             old = self._redis.set(f"{self._prefix}epoch", mine, nx=True, get=True)
-            return old or mine
+            return self._text(old) or mine
 
     def _key(self, node_id: str) -> str:
         return f"{self._prefix}node:{node_id}"
 
     @staticmethod
-    def _decode(raw: str | None) -> dict[str, Any] | None:
+    def _text(raw: object) -> str | None:
+        """redis-py answers str (decode_responses) but is typed bytes | str | ...."""
+        return raw if isinstance(raw, str) else None
+
+    @staticmethod
+    def _decode(raw: str | bytes | None) -> dict[str, Any] | None:
         if raw is None:
             return None
         try:
@@ -103,7 +108,7 @@ class RedisStore(NodeStore):
             node_ids = sorted(self._redis.zrange(self._index, 0, -1))
             if not node_ids:
                 return []
-            raws = self._redis.mget([self._key(n) for n in node_ids])
+            raws = self._redis.mget([self._key(str(n)) for n in node_ids])
         records = (self._decode(raw) for raw in raws)
         return [r for r in records if r is not None and role in (None, r.get("role"))]
 

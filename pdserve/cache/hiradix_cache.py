@@ -45,7 +45,7 @@ class Match(NamedTuple):
     device_pages: list[int]
     device_node: Node  # deepest node whose pages are on the device
     host_pages: int  # pages past it found only on the host
-    host_node: Node  # deepest matched node (== device_node when host_pages == 0)
+    host_node: HiNode  # deepest matched node (== device_node when host_pages == 0)
     loading: range  # indices into device_pages a load (another request's) still writes
     load_op: int  # newest such load (0: none)
 

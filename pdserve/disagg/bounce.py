@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from kv_transfer.memory import view
+from kv_transfer.memory import HostMemory, view
 
 
 class _Stage:
@@ -52,7 +52,7 @@ class _Stage:
             self.np = self.host.numpy()
 
 
-class BounceMemory:
+class BounceMemory(HostMemory):
     staged = True
 
     def __init__(self, tensors: Sequence[torch.Tensor], force: bool = False) -> None:
@@ -97,7 +97,7 @@ class BounceMemory:
                     out.append(view(ptr, n))
                     continue
                 stage.host[pos:pos + n].copy_(self._flat[i][off:off + n], non_blocking=True)
-                out.append(memoryview(stage.np[pos:pos + n]))
+                out.append(stage.np[pos:pos + n].data)
                 pos += n
         self._wait_copies()
         self.staged_bytes += pos

@@ -10,6 +10,7 @@ from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryError, RegistryUnavailable
 from bootstrap.pairing import pairing_problem
 from bootstrap.record import RegisteredNode, new_instance_id
+from pdserve.disagg.leg import PDLegFields
 from pdserve.http.errors import ApiError
 from pdserve.netaddr import http_url
 
@@ -67,9 +68,11 @@ def _register(client: RegistryClient, cfg, ready, get_stats, extra: dict) -> dic
     except RegistryError as exc:
         raise RegistrationFailed(f"the registry at {url} refused this node: {exc}") from None
     deadline = time.monotonic() + cfg.pd.registry_wait_s
-    while node is None and client.heartbeat.stats().beats == 0:
+    heartbeat = client.heartbeat
+    assert heartbeat is not None  # register() started it
+    while node is None and heartbeat.stats().beats == 0:
         if time.monotonic() > deadline:  # the heartbeat keeps retrying until now
-            stats = client.heartbeat.stats()
+            stats = heartbeat.stats()
             raise RegistrationFailed(f"cannot register with the registry at {url} within "
                                      f"{cfg.pd.registry_wait_s:g}s: {stats.last_error}")
         time.sleep(0.2)
@@ -91,10 +94,9 @@ class PrefillPeerResolver:
         # node_id -> (record, store epoch when read, time.monotonic() when read)
         self._seen: dict[str, tuple[RegisteredNode, str, float]] = {}
 
-    async def resolve(self, extra: dict) -> dict:
-        extra = dict(extra)
-        node_id = extra.pop("prefill_node_id", None)
-        host, port = extra.pop("bootstrap_host", None), extra.pop("bootstrap_port", None)
+    async def resolve(self, leg: PDLegFields) -> PDLegFields:
+        """The decode leg with the KV endpoints of the prefill it names."""
+        node_id, host, port = leg.prefill_node_id, leg.bootstrap_host, leg.bootstrap_port
         if node_id:
             peer, label = await self._from_registry(node_id), f"prefill node {node_id!r}"
         elif host and port:
@@ -110,10 +112,7 @@ class PrefillPeerResolver:
         if (why := pairing_problem(peer, self.me)) is not None:
             raise ApiError(400, f"{label} is incompatible with this decode node: {why} "
                                 "(theirs != ours)")
-        out = {**extra, "prefill_kv_endpoint": peer["kv_endpoint"]}
-        if peer.get("kv_endpoints"):
-            out["prefill_kv_endpoints"] = list(peer["kv_endpoints"])
-        return out
+        return leg.resolved(peer.get("kv_endpoints") or [peer["kv_endpoint"]])
 
     async def _from_registry(self, node_id: str) -> dict:
         try:

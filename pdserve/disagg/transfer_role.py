@@ -25,9 +25,10 @@ class TransferRole(Role):
                                                         self.transfer_cfg, self.model_name)
 
     def _free_meta(self, req: Req) -> None:
-        if req.pd.meta_slot is not None:
-            self.meta.free(req.pd.meta_slot)
-            req.pd.meta_slot = None
+        pd = req.pd
+        if pd is not None and pd.meta_slot is not None:
+            self.meta.free(pd.meta_slot)
+            pd.meta_slot = None
 
     def registry_fields(self) -> dict:
         return tp_registry_fields(self.mgr.registry_fields(), self.model_name, self.tp_fields,

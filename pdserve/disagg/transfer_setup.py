@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from kv_transfer import KVArgs, KVTransferConfig, TransferManager
+from kv_transfer.manager import Role as TransferSide
 from pdserve.disagg.metadata import MetadataPool
 from pdserve.memory.kv_pool import KVPool
 
@@ -20,4 +23,5 @@ def make_kv_manager(pool: KVPool, role: str, meta: MetadataPool, cfg: KVTransfer
         from pdserve.disagg.bounce import BounceMemory
 
         memory = BounceMemory([*pool.k_buffers, *pool.v_buffers, meta.buffer])
-    return TransferManager(args, role, cfg, memory=memory)
+    # The manager checks `role` is prefill or decode (a ValueError otherwise).
+    return TransferManager(args, cast(TransferSide, role), cfg, memory=memory)

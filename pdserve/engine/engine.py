@@ -6,6 +6,7 @@ Used directly by the offline `LLM` and, in a scheduler process, by the node serv
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from pdserve.models.ops import choose_ops
 from pdserve.models.tokenizer import load_tokenizer
 from pdserve.prompt_check import check_prompt_ids
 from pdserve.sampling_params import SamplingParams, grammar_of
+
+if TYPE_CHECKING:  # the engine hands a PD leg to its role without reading it
+    from pdserve.disagg.leg import PDLegFields
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +178,9 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    extra: dict | None = None) -> Req:
+                    leg: PDLegFields | None = None) -> Req:
         """Validate and hand to the role (colocated: the waiting queue). Raises ValueError
-        with a readable message on bad input; `extra` holds role fields (bootstrap_room)."""
+        with a readable message on bad input; `leg` holds a PD leg's fields (the room)."""
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         params.validate()
@@ -189,7 +193,7 @@ class Engine:
             req.grammar = RequestGrammar(self.grammars.start(*grammar), params.resumed_outputs,
                                          self.loaded.eos_token_ids)
             self.compiling.append(req)
-        self.role.add_request(req, dict(extra or {}))
+        self.role.add_request(req, leg)
         self.requests[rid] = req
         return req
 

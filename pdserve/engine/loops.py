@@ -46,6 +46,7 @@ class NormalLoop:
         if batch is None:
             self.out.mark_idle()
             return
+        assert isinstance(batch, Batch)  # NEED_SYNC only comes with in_flight=True
         handle = self.executor.launch(batch)  # runs the forward right here
         t2 = time.thread_time()
         self.out.process(batch, handle)
@@ -80,6 +81,7 @@ class OverlapLoop:
             self.stats.overlap_disabled["retract"] += 1
             self._process_all()
             batch = self.sched.next_batch(in_flight=False)
+        assert batch is None or isinstance(batch, Batch)
         if (self.sync_consecutive_prefill and batch is not None and batch.kind == "extend"
                 and self._last_kind() == "extend"):
             self.stats.overlap_disabled["consecutive_prefill"] += 1

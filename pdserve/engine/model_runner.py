@@ -65,6 +65,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, batch: Batch) -> tuple[torch.Tensor, LogprobOutput | None]:
+        assert batch.packed is not None  # packed by the scheduler thread before launch
         t = batch.packed.to_device(self.device)
         key = self.graphs.key_for(batch) if self.graphs is not None else None
         meta = None if key is not None else self._attn_meta(batch, t)
@@ -77,6 +78,7 @@ class ModelRunner:
             self.model(input_ids, t["positions"], meta, self.kv_pool, rows)
             return t["logit_rows"], None
         if key is not None:  # a pure decode batch: every row samples, rows == [0, n)
+            assert self.graphs is not None
             logits = self.graphs.run(key, t, input_ids)
         else:
             logits = self.model(input_ids, t["positions"], meta, self.kv_pool, rows)
@@ -109,6 +111,7 @@ class ModelRunner:
         ps = self.kv_pool.page_size
         decode_pages = t["kv_pages"][len(prompt):] if n_dec else None
         if n_dec and not self._paged_decode:  # gathered: only the decode rows' own pages
+            assert decode_pages is not None
             longest = max(r.start + 1 for r in batch.rows[len(prompt):])
             decode_pages = decode_pages[:, :-(-longest // ps)]
         # Fresh rows (all from position 0) attend over their own k/v unless a paged extend

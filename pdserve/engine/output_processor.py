@@ -72,6 +72,7 @@ class OutputProcessor:
         if lp is None:
             return []
         prompt = lp.prompt_entries()
+        assert batch.lp is not None  # lp was computed because the batch asked
         at = 0
         for row, n in zip(batch.rows, batch.lp.prompt_counts, strict=True):
             if n:
@@ -94,7 +95,9 @@ class OutputProcessor:
 
     def _hit_stop_string(self, req: Req) -> bool:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in req.params.stop if s in text]
+        stops = req.params.stop
+        assert isinstance(stops, list)  # SamplingParams.__post_init__ made it one
+        hits = [text.find(s) for s in stops if s in text]
         if not hits:
             return False
         req.text = text[: min(hits)]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from pdserve.disagg.leg import PDLegFields
     from pdserve.engine.batch import Batch
     from pdserve.engine.request import Req
     from pdserve.memory.kv_pool import KVPool
@@ -104,10 +105,10 @@ class Role:
         self.ctx = ctx
         self.queue, self.out, self.kv = ctx.queue, ctx.output, ctx.kv
 
-    def add_request(self, req: Req, extra: dict) -> None:
+    def add_request(self, req: Req, leg: PDLegFields | None) -> None:
         """A validated new request: colocated requests go straight to the waiting queue."""
-        if extra:
-            raise ValueError(f"unexpected fields for a colocated node: {sorted(extra)}")
+        if leg is not None:
+            raise ValueError("a colocated node takes no PD leg fields (bootstrap_room, ...)")
         self.queue.add(req)
 
     def poll(self) -> bool:

@@ -135,7 +135,7 @@ class Scheduler:
         one was compiling."""
         held = [r.grammar.future for r in itertools.chain(itertools.islice(self.waiting, 1),
                                                           self.running)
-                if not r.grammar_ready]
+                if not r.grammar_ready and r.grammar is not None]
         if not held:
             return False
         futures.wait(held, timeout, return_when=futures.FIRST_COMPLETED)

@@ -66,7 +66,7 @@ class StagingBuffer:
         self.consumed.set()
         # CUDA: event recorded after the async host->device copy of the last batch packed
         # here; the buffer may be written again once it has completed. None on CPU.
-        self.copy_done = None
+        self.copy_done: torch.cuda.Event | None = None
 
     def _new(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, pin_memory=self.pin)

@@ -56,6 +56,7 @@ class TPModel:
         written after a forward's result was processed runs after that forward there)."""
         with self._pipe:
             for p in self.procs:
+                assert p.stdin is not None  # started with stdin=PIPE
                 try:
                     write_msg(p.stdin, msg)
                 except (BrokenPipeError, OSError, ValueError) as exc:
@@ -154,6 +155,7 @@ class WorkerReplies:
 
 def _stop_workers(procs: list[subprocess.Popen]) -> None:
     for p in procs:
+        assert p.stdin is not None  # started with stdin=PIPE
         try:
             write_msg(p.stdin, {"op": "stop"})
             p.stdin.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import struct
-from typing import BinaryIO
+from typing import IO
 
 import msgpack
 import torch
@@ -71,13 +71,13 @@ class TPGroup:
 
 
 # -- control messages on a pipe: 4-byte big-endian length, then msgpack ------------------
-def write_msg(pipe: BinaryIO, msg: dict) -> None:
+def write_msg(pipe: IO[bytes], msg: dict) -> None:
     body = msgpack.packb(msg)
     pipe.write(struct.pack(">I", len(body)) + body)
     pipe.flush()
 
 
-def read_msg(pipe: BinaryIO) -> dict | None:
+def read_msg(pipe: IO[bytes]) -> dict | None:
     """The next message, or None at EOF (rank 0 is gone)."""
     head = pipe.read(4)
     if len(head) < 4:

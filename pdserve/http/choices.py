@@ -11,7 +11,7 @@ each stream's own cleanup (abort, KV release) runs then.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from pdserve.http.errors import ApiError
@@ -19,8 +19,8 @@ from pdserve.http.errors import ApiError
 _END = object()
 
 
-async def start_all(streams: list[AsyncIterator], started,
-                    leaders: list[int] | None = None) -> list[AsyncIterator]:
+async def start_all(streams: list[AsyncGenerator], started,
+                    leaders: list[int] | None = None) -> list[AsyncGenerator]:
     """Start the `leaders` (default: choice 0; with several prompts, each prompt's first
     choice) together and wait for their first events (their prompts are computed and,
     asked with `cache_prompt`, in the prefix cache), then the others together: they reuse
@@ -46,7 +46,7 @@ async def start_all(streams: list[AsyncIterator], started,
     return out
 
 
-async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+async def merge(streams: list[AsyncGenerator]) -> AsyncGenerator:
     if len(streams) == 1:  # the common case: no tasks, no queue
         async with aclosing(streams[0]) as stream:
             async for ev in stream:
@@ -56,7 +56,7 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator) -> None:
+    async def pump(i: int, stream: AsyncGenerator) -> None:
         try:
             async with aclosing(stream):
                 async for ev in stream:
@@ -84,7 +84,7 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
             t.cancel()
 
 
-async def last_events(streams: list[AsyncIterator]) -> list:
+async def last_events(streams: list[AsyncGenerator]) -> list:
     """The final event of every choice (non-streaming answers). Raises the first ApiError;
     None in the list: that choice produced nothing (the client went away)."""
     last: list = [None] * len(streams)

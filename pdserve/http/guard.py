@@ -61,10 +61,10 @@ def guarded_protocol(limits: HttpLimits) -> type[H11Protocol]:
                 transport.write_eof()
             self._timer = self.loop.call_later(limits.header_timeout_s, transport.close)
 
-        def eof_received(self) -> bool | None:
+        def eof_received(self) -> None:
             if self._refused:
                 self.transport.close()
-            return super().eof_received()
+            super().eof_received()
 
         def connection_lost(self, exc) -> None:
             self._disarm()

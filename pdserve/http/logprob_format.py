@@ -100,7 +100,8 @@ def completion_logprobs(text: TokenText, ids: Sequence[int], entries: Sequence[E
                         offset: int) -> dict:
     """Legacy completions `logprobs` of `ids` whose text starts at character `offset`. A
     token without an entry (the first prompt token under echo) has null logprobs."""
-    obj = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    obj: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [],
+                            "top_logprobs": []}
     for tid, e in zip(ids, entries, strict=True):
         s = text(tid)
         obj["tokens"].append(s)

@@ -66,7 +66,9 @@ class _Scored:
 
     def __init__(self, ev) -> None:
         self._ev = ev
-        self.delta, self.text, self.output_ids, self.output_logprobs = "", "", [], []
+        self.delta, self.text = "", ""
+        self.output_ids: list[int] = []
+        self.output_logprobs: list = []
         # Nothing was produced within max_tokens 0: "length", unless the choice failed.
         self.finish_reason = ev.finish_reason and (
             "length" if ev.finish_reason in ("stop", "length") else ev.finish_reason)
@@ -84,9 +86,9 @@ def usage(evs: list, n: int = 1) -> dict:
     """`evs`: the last event of each choice in choice order (None: it sent none). Each
     prompt's tokens count once, not once per choice (OpenAI)."""
     out = sum(len(ev.output_ids) for ev in evs if ev is not None)
-    firsts = [next((ev for ev in evs[p:p + n] if ev is not None), None)
-              for p in range(0, len(evs), n)]
-    firsts = [ev for ev in firsts if ev is not None]
+    heads = [next((ev for ev in evs[p:p + n] if ev is not None), None)
+             for p in range(0, len(evs), n)]
+    firsts = [ev for ev in heads if ev is not None]
     p = sum(ev.prompt_tokens for ev in firsts)
     return {"prompt_tokens": p, "completion_tokens": out, "total_tokens": p + out,
             "prompt_tokens_details": {"cached_tokens": sum(ev.cached_tokens for ev in firsts)}}
@@ -102,6 +104,7 @@ def _logprobs(shape: Shape, ev, start: int, echo: Echo | None, offset: int):
     in a choice's first chunk); None when not asked."""
     if shape.logprobs is None:
         return None
+    assert shape.token_text is not None  # set whenever logprobs are asked for
     ids = ev.output_ids[start:]
     entries = _padded(ev.output_logprobs, len(ev.output_ids))[start:]
     if shape.chat:
@@ -149,7 +152,7 @@ class _ChoiceState:
 async def openai_stream(items, shape: Shape, include_usage: bool):
     """SSE chunks of `items`: (choice index, event) pairs, or an ApiError that ends it."""
     states: dict[int, _ChoiceState] = {}
-    rid = None
+    rid: str = ""  # the first event's (every chunk of the stream carries it)
     obj = "chat.completion.chunk" if shape.chat else "text_completion"
     async with aclosing(items):
         async for item in items:

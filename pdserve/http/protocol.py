@@ -7,7 +7,7 @@ live in `validate()` methods and raise `ApiError` with the OpenAI-shaped status.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
@@ -158,6 +158,7 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return {"json_schema": '{"type": "object"}'}
         if self.type == "json_schema":
+            assert self.json_schema is not None  # a validator requires it for this type
             schema = self.json_schema.schema_ or {}
             text = json.dumps(schema)
             if len(text) > MAX_GRAMMAR:
@@ -255,8 +256,8 @@ class CompletionBody(_OpenAICommon):
         """Every prompt of the body, in order (a flat list of ids is one prompt)."""
         p = self.prompt
         if isinstance(p, str) or not p or isinstance(p[0], int):
-            return [p]
-        return list(p)
+            return [cast(str | list[int], p)]
+        return cast(list[str | list[int]], list(p))
 
     def top_logprobs_k(self) -> int | None:
         return self.logprobs

@@ -10,6 +10,7 @@ node and the router alike (docs/architecture.md: Interfaces).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -17,7 +18,7 @@ from pdserve.http.errors import ApiError
 from pdserve.http.protocol import DetokenizeBody, TokenizeBody, chat_prompt_ids
 
 # Tokenizer getter: the node has its tokenizer at once, the router loads it on first use.
-TokenizerGetter = Callable[[], Awaitable[object]]
+TokenizerGetter = Callable[[], Awaitable[Any]]  # a transformers tokenizer
 
 
 def add_tokenize_routes(app: FastAPI, get_tokenizer: TokenizerGetter,

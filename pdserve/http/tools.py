@@ -156,6 +156,7 @@ class ToolPlan:
                 args = json.loads(text)
             except ValueError:
                 return text, []
+            assert self.named is not None  # mode "named" names one
             return (None, [Call(self.named, json.dumps(args, ensure_ascii=False))]) \
                 if isinstance(args, dict) else (text, [])
         if self.mode == "required":
@@ -163,8 +164,9 @@ class ToolPlan:
                 items = json.loads(text)
             except ValueError:
                 return text, []
-            calls = [_call(x, self.names) for x in items] if isinstance(items, list) else []
-            return (None, calls) if calls and None not in calls else (text, [])
+            found = [_call(x, self.names) for x in items] if isinstance(items, list) else []
+            calls = [c for c in found if c is not None]
+            return (None, calls) if calls and len(calls) == len(found) else (text, [])
         return (parse_hermes if self.parser == "hermes" else parse_llama3)(text, self.names)
 
     def held_back(self, text: str) -> int:
@@ -207,9 +209,11 @@ class ToolStream:
         return delta
 
 
-def tool_schema(mode: str, functions: dict[str, dict], named: str | None) -> str:
-    """The JSON schema that constrains a "required" or "named" answer."""
+def tool_schema(mode: str, functions: dict[str, dict | None], named: str | None) -> str:
+    """The JSON schema that constrains a "required" or "named" answer (`functions`: name ->
+    parameters schema, None when the tool declares none)."""
     if mode == "named":
+        assert named is not None
         return json.dumps(functions[named] or {"type": "object"})
     items = [{"type": "object", "properties": {"name": {"const": name},
                                                "parameters": params or {"type": "object"}},
@@ -219,7 +223,7 @@ def tool_schema(mode: str, functions: dict[str, dict], named: str | None) -> str
                        "items": items[0] if len(items) == 1 else {"anyOf": items}})
 
 
-def check_choice(mode: str, named: str | None, functions: dict[str, dict]) -> None:
+def check_choice(mode: str, named: str | None, functions: dict[str, dict | None]) -> None:
     if mode in ("required", "named") and not functions:
         raise ApiError(400, f"tool_choice {mode!r} needs `tools`")
     if mode == "named" and named not in functions:

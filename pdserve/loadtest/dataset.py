@@ -85,7 +85,7 @@ def shared_prefix_prompts(n: int, groups: int, prefix_len: int, question_len: in
     """
     pool = id_pool(tok)
     prefixes = [random_ids(rng, pool, prefix_len) for _ in range(groups)]
-    prefix_texts = [tok.decode(list(p)) if tok else None for p in prefixes]
+    prefix_texts = [tok.decode(list(p)) for p in prefixes] if tok else []
     prompts = []
     for i in range(n):
         g = i % groups

@@ -62,13 +62,13 @@ def load_tokenizer(spec: str, build: bool = True) -> BenchTokenizer:
         return BenchTokenizer(spec, tok.get_vocab_size(with_added_tokens=True), special, tok)
     from transformers import AutoTokenizer  # heavy; only for folders without tokenizer.json
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    return BenchTokenizer(spec, len(tok), frozenset(tok.all_special_ids), tok)
+    hf_tok = AutoTokenizer.from_pretrained(str(folder))
+    return BenchTokenizer(spec, len(hf_tok), frozenset(hf_tok.all_special_ids), hf_tok)
 
 
 def try_load_tokenizer(specs: list[str]) -> tuple[BenchTokenizer | None, list[str]]:
     """First tokenizer that loads among guessed `specs` (no builds), plus why others did not."""
-    problems = []
+    problems: list[str] = []
     for spec in specs:
         if not spec:
             continue

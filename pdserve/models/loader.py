@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 @dataclass
 class LoadedModel:
     path: Path
-    hf_config: object
+    hf_config: Any  # a transformers PretrainedConfig
     model: CausalLM
     dtype: torch.dtype
     device: torch.device
@@ -104,11 +105,12 @@ def _no_random_init() -> Iterator[None]:
     runs torch's reference ops, which import torch._dynamo (seconds, and a cache folder
     left in TMPDIR). Weights about to be overwritten need no init."""
     saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    nn.Linear.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore
 
 
 def _empty_model(cfg, device: torch.device, dtype: torch.dtype) -> CausalLM:

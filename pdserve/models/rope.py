@@ -22,6 +22,8 @@ def _rope_params(cfg) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # [D/2], a non-persistent buffer
+
     def __init__(self, cfg) -> None:
         super().__init__()
         params = _rope_params(cfg)

@@ -35,7 +35,6 @@ def gguf_path() -> Path:
 
 
 def convert(out_dir: Path) -> None:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     src = gguf_path()
@@ -50,7 +49,7 @@ def convert(out_dir: Path) -> None:
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(gguf_model.state_dict(), strict=False)
     plain.tie_weights()
-    plain.to(torch.float32)
+    plain.float()
     out_dir.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pdserve.plan.config import PlanConfig
 from pdserve.plan.profile_model import Profile
@@ -61,7 +62,7 @@ def execute(cfg: PlanConfig, job: Job) -> dict:
     text = verdict(results, job.slos)
     print(f"\nverdict: {text}")
     best = results[0] if results and results[0].meets else None
-    report = {"summary": {"best": best.row() if best else None, "verdict": text,
+    report: dict[str, Any] = {"summary": {"best": best.row() if best else None, "verdict": text,
                           "slo_ms": {k: v * 1e3 for k, v in job.slos.items()},
                           "rate": wl.rate, "requests": len(wl), "profile": cfg.profile},
               "rows": rows}

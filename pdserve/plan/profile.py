@@ -18,18 +18,20 @@ import os
 import random
 import time
 from dataclasses import asdict, replace
+from typing import Any
 
 import numpy as np
 
+from kv_transfer.config import Backend
 from pdserve.config import EngineConfig
 from pdserve.plan.profile_model import Profile, fit_nonneg
 from pdserve.sampling_params import SamplingParams
 
-QUICK = {"prompts": [32, 128, 384, 768, 1536], "batch_prompts": (4, 256),
+QUICK: dict[str, Any] = {"prompts": [32, 128, 384, 768, 1536], "batch_prompts": (4, 256),
          "decode_batches": [1, 4, 16, 32], "contexts": [64, 768], "decode_tokens": 12,
          "reps": 3, "transfer_sizes": [64, 512, 2048], "transfer_reps": 3,
          "contention_levels": 2, "contention_s": 1.5}
-FULL = {"prompts": [32, 128, 256, 512, 1024, 1536, 2047], "batch_prompts": (8, 256),
+FULL: dict[str, Any] = {"prompts": [32, 128, 256, 512, 1024, 1536, 2047], "batch_prompts": (8, 256),
         "decode_batches": [1, 2, 4, 8, 16, 32, 64], "contexts": [64, 512, 1536],
         "decode_tokens": 16, "reps": 3, "transfer_sizes": [64, 256, 1024, 4096],
         "transfer_reps": 5, "contention_levels": 3, "contention_s": 3.0}
@@ -58,7 +60,7 @@ class StepRecorder:
         for ids in prompts:
             eng.add_request(f"p{rng.getrandbits(48)}", ids, SamplingParams(
                 max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
-        points = []
+        points: list[tuple] = []
         while eng.has_work():
             self.shape = None
             t0 = time.perf_counter()
@@ -135,8 +137,8 @@ def fit_steps(info: dict) -> tuple[list[float], list[float]]:
     return fit_nonneg(ext[:, :3], ext[:, 3]), fit_nonneg(dec[:, :3], dec[:, 3])
 
 
-def run_profile(cfg: EngineConfig, quick: bool, backend: str, log=print,
-                plan: dict | None = None, serving: bool = True) -> Profile:
+def run_profile(cfg: EngineConfig, quick: bool, backend: Backend, log=print,
+                plan: dict[str, Any] | None = None, serving: bool = True) -> Profile:
     """Measure and fit; `plan` overrides the QUICK/FULL point lists (tests use a tiny one)."""
     plan = plan or (QUICK if quick else FULL)
     from pdserve.plan.profile_transfer import measure_transfer

@@ -43,6 +43,11 @@ from pdserve.loadtest.client import send_request
 from pdserve.loadtest.dataset import Prompt
 
 
+def _command(proc: subprocess.Popen) -> str:
+    """`pdserve router` or the like: the two words after `python -m`."""
+    return " ".join(str(a) for a in list(proc.args)[2:4])  # type: ignore[arg-type]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,7 +101,7 @@ def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"`{' '.join(proc.args[2:4])}` exited while starting")
+            raise RuntimeError(f"`{_command(proc)}` exited while starting")
         try:
             r = client.post(f"{url}/generate", json={
                 "input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 2}})
@@ -105,7 +110,7 @@ def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: fl
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"`{' '.join(proc.args[2:4])}` did not become ready")
+            raise RuntimeError(f"`{_command(proc)}` did not become ready")
         time.sleep(0.5)
 
 

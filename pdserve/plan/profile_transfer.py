@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from kv_transfer.config import Backend
+
 META_BYTES = 32  # one metadata row (docs/architecture.md: PD bookkeeping)
 
 
@@ -33,7 +35,8 @@ def _args(bufs, page_size: int, model: str):
     return KVArgs.from_tensors(bufs[0], bufs[1], page_size, model, bufs[2])
 
 
-def _decode_child(conn, shape: tuple, page_size: int, model: str, backend: str) -> None:
+def _decode_child(conn, shape: tuple, page_size: int, model: str, backend: Backend
+                  ) -> None:
     from kv_transfer import KVReceiver, KVTransferConfig, TransferManager
 
     bufs = _buffers(*shape)
@@ -55,7 +58,7 @@ def _decode_child(conn, shape: tuple, page_size: int, model: str, backend: str) 
         mgr.close()
 
 
-def measure_transfer(layout, page_size: int, model: str, backend: str,
+def measure_transfer(layout, page_size: int, model: str, backend: Backend,
                      sizes: list[int], reps: int) -> dict:
     """`layout`: (layers, kv heads, head dim, dtype name). Returns the fit and the points."""
     from kv_transfer import KVPoll, KVSender, KVTransferConfig, TransferManager

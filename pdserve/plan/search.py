@@ -143,6 +143,7 @@ def verdict(results: list[Outcome], slos: dict[str, float]) -> str:
         return ("no shape within --max-nodes meets the SLOs; raise --max-nodes, relax the "
                 "SLOs or lower the rate")
     if best_co is None or (best_pd is not None and best_pd.cost < best_co.cost):
+        assert best_pd is not None  # not both None (above)
         same = max((o for o in co if o.cost <= best_pd.cost), key=lambda o: o.attainment,
                    default=None)
         why = ""

@@ -96,7 +96,7 @@ class FastSimulator:
         groups = [(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False) if hi > lo]
         alloc = shared_empty if workers > 1 else np.empty
         self.first, self.end = alloc(n), alloc(n)
-        stats = fork_map(groups, lambda g: self._group(wl, nseg, *g), workers, 4)
+        stats = fork_map(groups, lambda g: self._group(wl, nseg, g[0], g[1]), workers, 4)
         self.steps, self.max_batch = int(stats[:, 0].sum()), int(stats[:, 1].max())
         self.busy_s = {"prefill": float(stats[:, 2].sum()), "decode": float(stats[:, 3].sum())}
         first, end = self.first, self.end

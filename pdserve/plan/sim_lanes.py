@@ -122,6 +122,8 @@ class DecodeLanes:
         self.prof, self.K, self.L, self.M = prof, K, L, M
         self.starts, self.ends = starts, ends
         self.A, self.a_starts, self.a_ends = A, a_starts, a_ends
+        # The caller's permutation from its request order to ours (sim_fast.py sets it).
+        self.order: np.ndarray | None = None
         n = len(starts)
         self.first, self.end = np.empty(len(K)), np.empty(len(K))
         self.bound = None if A is None else A.copy()

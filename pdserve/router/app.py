@@ -32,6 +32,7 @@ from pdserve.http.sse import sse
 from pdserve.http.tokenize_routes import add_tokenize_routes
 from pdserve.router.flow import Flow
 from pdserve.router.gateway import Gateway
+from pdserve.router.tokenizer import RouterTokenizer
 
 DISCONNECT_POLL_S = 0.25
 
@@ -83,6 +84,14 @@ async def collect(flow: Flow):
     return last
 
 
+def _loaded(gw: Gateway) -> RouterTokenizer:
+    """The tokenizer the tokenize routes awaited before they ask for its sizes."""
+    tok = gw.loaded_tokenizer
+    if tok is None:
+        raise ApiError(503, "the tokenizer is not loaded yet", "no_tokenizer")
+    return tok
+
+
 def build_app(gw: Gateway, lifespan=None) -> FastAPI:
     app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
@@ -130,8 +139,7 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         return (await gw.tokenizer()).tok
 
     add_tokenize_routes(app, tokenizer, lambda: gw.model_name,
-                        lambda: gw.loaded_tokenizer.context_length,
-                        lambda: gw.loaded_tokenizer.vocab_size)
+                        lambda: _loaded(gw).context_length, lambda: _loaded(gw).vocab_size)
     texts: dict[int, TokenText] = {}
 
     def token_text(tok) -> TokenText:
@@ -147,7 +155,9 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
             raise ApiError(400, "bootstrap_room, prefill_node_id, bootstrap_host, "
                                 "bootstrap_port and decode_tp_size are set by the router")
         tok = await gw.tokenizer()
-        ids = tok.encode(body.text if body.text is not None else body.input_ids)
+        prompt = body.text if body.text is not None else body.input_ids
+        assert prompt is not None  # validate_input: one of the two
+        ids = tok.encode(prompt)
         sp = body.sampling_params.model_dump()
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
         sp["max_new_tokens"] = fit_max_tokens(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pdserve.http.errors import ApiError
@@ -77,14 +77,15 @@ class Flow:
                   "x-pdserve-decode-node": o.decode.node_id}
         return h
 
-    async def events(self) -> AsyncIterator[Event | ApiError]:
+    async def events(self) -> AsyncGenerator[Event | ApiError, None]:
         """Every decode event; a failure after the start comes as a final ApiError item
         (the caller has sent its 200 header by then and reports it in-band)."""
         assert self.opened is not None
-        item = self.opened.first
+        item: dict | str | ApiError = self.opened.first
         while True:
             try:
                 while item != DONE:
+                    assert isinstance(item, dict)  # an event; DONE is the only str
                     if self.opened.legs.prefill_answer is not None:
                         item = await self._with_prefill_logprobs(item)
                     event = to_event(self.rid, item, None if self.stitcher else self.last)
@@ -126,6 +127,7 @@ class Flow:
         """The decode event with the prompt's and the first token's logprobs, which the
         prefill node computed (its answer trails the KV it sent only by a little)."""
         if self._prefill_meta is None:
+            assert self.opened is not None and self.opened.legs.prefill_answer is not None
             self._prefill_meta = await self._bounded(
                 asyncio.shield(self.opened.legs.prefill_answer))
         meta = obj.get("meta_info")

@@ -82,6 +82,7 @@ class Gateway:
         except Exception as exc:  # any loader failure: the model's files are unusable
             raise ApiError(503, f"cannot load the tokenizer of {self.table.model!r}: {exc}",
                            "no_tokenizer") from exc
+        assert self._tokenizer is not None
         return self._tokenizer
 
     def flow(self, rid: str, ids: list[int], sampling: dict, extra: dict | None = None

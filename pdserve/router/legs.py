@@ -338,6 +338,7 @@ class Legs:
                         self.completed = True
                         self.queue.put_nowait(DONE)
                         return None
+                    assert isinstance(obj, dict)  # an event; DONE is the only str
                     if "error" in obj:
                         return inband_error(node, obj["error"], self.prefill)
                     self.decoding = True

@@ -31,7 +31,7 @@ from pdserve.server.sglang_routes import add_sglang_routes, sglang_server_info
 def node_info(front: Frontend) -> dict:
     """/server_info: pdserve's fields, plus the SGLang names its router reads
     (`sglang_routes.py`)."""
-    s, ready = front.client.stats, front.client.ready
+    s, ready = front.client.stats, front.client.info
     return {"model": front.cfg.model_name, "context_length": front.context_length,
             "engine": ready.engine_info, "stats": vars(s) if s else None,
             "open_requests": len(front.client.handles), **sglang_server_info(front)}
@@ -80,23 +80,25 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         return front.tokenizer
 
     add_tokenize_routes(app, tokenizer, lambda: model, lambda: front.context_length,
-                        lambda: front.client.ready.vocab_size)
+                        lambda: front.client.info.vocab_size)
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
         body.validate_input()
-        ids = front.encode(body.text if body.text is not None else body.input_ids)
+        prompt = body.text if body.text is not None else body.input_ids
+        assert prompt is not None  # validate_input: one of the two
+        ids = front.encode(prompt)
         sp = body.sampling_params.model_dump()
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
         sp["max_new_tokens"] = fit_max_tokens(
             len(ids), sp["max_new_tokens"] if explicit else None, sp["max_new_tokens"],
             front.context_length, front.cfg.truncate_max_tokens)
         sp |= body.logprob_params(len(ids))
-        extra = await front.resolve_extra(body.leg_fields())
+        leg = await front.resolve_leg(body.leg_fields())
         start = body.logprob_start_len if body.return_logprob else None
         # The client is watched in both modes: a stream's first event may be long in coming
         # (a decode leg waiting for its KV), and a leg its router gave up on must end here.
-        run = front.run(ids, sp, body.rid, extra, request.is_disconnected)
+        run = front.run(ids, sp, body.rid, leg, request.is_disconnected)
         if body.stream:
             return EventStream(_generate_sse(await _started(run), ids, start))
         last = None
@@ -125,12 +127,12 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
                          front.cfg.truncate_max_tokens, token_text, front.cfg.tool_call_parser)
         # A PD leg sent by SGLang's router: its bootstrap fields ride on OpenAI bodies too.
         # One leg is one request (one bootstrap room): several choices cannot share it.
-        extra = await front.resolve_extra(body.leg_fields())
-        if extra and len(plan.choices) > 1:
+        leg = await front.resolve_leg(body.leg_fields())
+        if leg is not None and len(plan.choices) > 1:
             raise ApiError(400, "several prompts or n > 1 are not supported on a "
                                 "prefill/decode leg: the router sends each prompt and "
                                 "choice as its own request")
-        runs = [front.run(c.ids, c.sampling, extra=extra,
+        runs = [front.run(c.ids, c.sampling, leg=leg,
                           disconnected=request.is_disconnected) for c in plan.choices]
         if body.stream or len(runs) > 1:
             runs = await start_all(runs, _started, plan.leaders)

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
-from pdserve.disagg.config import PDConfig
+from pdserve.disagg.config import WILDCARDS, PDConfig
 from pdserve.flags import ConfigError, add_dataclass_flags, opt, values_from
 from pdserve.http.limits import HttpLimits
 from pdserve.http.tools import PARSERS
@@ -61,6 +61,9 @@ class ServerConfig:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if self.tool_call_parser not in PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(PARSERS)}")
+        if self.pd is not None and not self.pd.advertise_host and self.host in WILDCARDS:
+            raise ConfigError(f"--host {self.host} is no address others can reach: "
+                              "add --advertise-host (e.g. the pod IP)")
         if self.chat_template:
             read_chat_template(self.chat_template)  # a bad file fails here, not per request
 

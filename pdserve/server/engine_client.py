@@ -45,6 +45,12 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
 
     @property
+    def info(self) -> m.Ready:
+        """The scheduler's Ready message (the HTTP routes serve only after `wait_ready`)."""
+        assert self.ready is not None, "used before wait_ready"
+        return self.ready
+
+    @property
     def alive(self) -> bool:
         return not self.died.is_set()
 

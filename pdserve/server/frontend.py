@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
 
+from pdserve.disagg.leg import PDLegFields
 from pdserve.http.detokenizer import IncrementalDetokenizer
 from pdserve.http.errors import ApiError
 from pdserve.prompt_check import PromptError, check_prompt_ids
@@ -46,13 +47,20 @@ class Frontend:
         self.bootstrap_port: int | None = None  # prefill nodes: SGLang bootstrap endpoint
         self.draining = False  # set on SIGTERM (drain.py): new requests get 503 "draining"
 
-    async def resolve_extra(self, extra: dict) -> dict:
-        """Role fields of a PD leg, completed (decode: the prefill's KV endpoint). Other
-        nodes need no bootstrap address: a prefill is itself the one it names."""
+    async def resolve_leg(self, given: dict) -> PDLegFields | None:
+        """A body's PD leg fields (None: no leg), parsed once and completed (decode: the
+        prefill's KV endpoints). Other nodes need no bootstrap address: a prefill is
+        itself the one it names."""
+        if not given:
+            return None
+        try:
+            leg = PDLegFields.from_wire(given)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
         if self.leg_resolver is not None and self.cfg.role == "decode":
-            return await self.leg_resolver.resolve(extra)
+            return await self.leg_resolver.resolve(leg)
         if self.cfg.role == "prefill" and self.bootstrap_port is None and (
-                "bootstrap_host" in extra or "bootstrap_port" in extra):
+                leg.bootstrap_host is not None or leg.bootstrap_port is not None):
             # SGLang's router: its decode worker would look for our bootstrap endpoint,
             # find none, and this leg would wait out the whole bootstrap timeout.
             raise ApiError(400, "this prefill node serves no SGLang bootstrap endpoint, so "
@@ -61,11 +69,11 @@ class Frontend:
                                 "--disaggregation-bootstrap-port PORT (the port given to "
                                 "SGLang's router with --prefill URL PORT)",
                            "bootstrap_unavailable")
-        return {k: v for k, v in extra.items() if k not in ("bootstrap_host", "bootstrap_port")}
+        return replace(leg, bootstrap_host=None, bootstrap_port=None)
 
     @property
     def context_length(self) -> int:
-        return self.client.ready.context_length
+        return self.client.info.context_length
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -80,15 +88,16 @@ class Frontend:
 
     def check_ids(self, ids: list[int]) -> None:
         try:
-            check_prompt_ids(ids, self.client.ready.vocab_size, self.context_length)
+            check_prompt_ids(ids, self.client.info.vocab_size, self.context_length)
         except PromptError as exc:
             raise ApiError(400, exc.message, exc.code) from None
 
     def default_max_tokens(self, ids: list[int]) -> int:
-        return max(1, min(self.context_length, self.client.ready.max_total_tokens) - len(ids))
+        return max(1, min(self.context_length, self.client.info.max_total_tokens) - len(ids))
 
     async def run(self, ids: list[int], sampling: dict, rid: str | None = None,
-                  extra: dict | None = None, disconnected=None) -> AsyncIterator[Event]:
+                  leg: PDLegFields | None = None, disconnected=None
+                  ) -> AsyncGenerator[Event, None]:
         """Yield an Event per token update until finished. Raises ApiError (400/408/429/503).
         `disconnected` (an async callable, the HTTP request's) is polled while waiting."""
         # The scheduler only ever sees an internal id: a client's rid is a label, and two
@@ -105,7 +114,7 @@ class Frontend:
         self.client_rids.add(rid)
         try:
             handle = await self.client.submit(
-                m.GenerateRequest(internal, ids, sampling, extra or {}))
+                m.GenerateRequest(internal, ids, sampling, leg.to_wire() if leg else {}))
         except BaseException:
             self.client_rids.discard(rid)
             raise
@@ -155,6 +164,7 @@ class Frontend:
                 # where an unshielded await that has to wait would drop the abort.
                 await asyncio.shield(self.client.abort(internal))
             self.client.release(internal)
+        assert u is not None  # the loop returned on None
         self._observe_end(t0, first, len(ids), len(detok.ids), u.finish_reason)
 
     async def _next_update(self, handle, deadline: float, disconnected) -> m.TokenUpdate | None:

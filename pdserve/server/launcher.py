@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import time
+from multiprocessing.process import BaseProcess
 
 import uvicorn
 import zmq.asyncio
@@ -49,7 +50,7 @@ def _run_scheduler(*args) -> None:
     run_scheduler(*args)
 
 
-def start_scheduler(cfg: ServerConfig, ipc_dir: str) -> tuple[mp.Process, str, str]:
+def start_scheduler(cfg: ServerConfig, ipc_dir: str) -> tuple[BaseProcess, str, str]:
     to_sched = f"ipc://{ipc_dir}/to_sched"
     from_sched = f"ipc://{ipc_dir}/from_sched"
     proc = mp.get_context("spawn").Process(
@@ -58,7 +59,7 @@ def start_scheduler(cfg: ServerConfig, ipc_dir: str) -> tuple[mp.Process, str, s
     return proc, to_sched, from_sched
 
 
-def stop_process(proc: mp.Process, timeout: float = 10) -> None:
+def stop_process(proc: BaseProcess, timeout: float = 10) -> None:
     if proc.pid is None:  # start-up failed before the process was started
         return
     proc.join(timeout)
@@ -74,7 +75,7 @@ def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     http_sock = bind_port(cfg.host, cfg.port)  # listens only once the node is ready
-    if cfg.role == "prefill" and cfg.pd.bootstrap_port:  # before loading anything
+    if cfg.role == "prefill" and cfg.pd and cfg.pd.bootstrap_port:  # before loading any
         check_port_free(cfg.host, cfg.pd.bootstrap_port)
     from pdserve.models.builtin import resolve_model
 

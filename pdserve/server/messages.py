@@ -17,7 +17,7 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling: dict  # SamplingParams fields
-    extra: dict = field(default_factory=dict)  # role-specific fields (bootstrap_room, ...)
+    leg: dict = field(default_factory=dict)  # PDLegFields.to_wire() ({}: not a PD leg)
 
 
 @dataclass

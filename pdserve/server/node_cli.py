@@ -26,7 +26,7 @@ def run(args: argparse.Namespace, role: str) -> int:
 
     try:
         cfg = ServerConfig.from_cli(args, role)
-        if role == "decode" and cfg.pd.bootstrap_port is not None:
+        if role == "decode" and cfg.pd and cfg.pd.bootstrap_port is not None:
             raise ValueError("--disaggregation-bootstrap-port is a prefill node flag: a "
                              "decode node learns each prefill's address from the request")
         from pdserve.disagg.preflight import check_transfer_setup

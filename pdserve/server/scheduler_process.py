@@ -14,6 +14,7 @@ import time
 
 import zmq
 
+from pdserve.disagg.leg import PDLegFields
 from pdserve.disagg.roles import make_role
 from pdserve.engine.engine import Engine
 from pdserve.sampling_params import SamplingParams
@@ -104,7 +105,8 @@ class SchedulerService:
             return
         try:
             params = SamplingParams(**msg.sampling)
-            self.engine.add_request(msg.rid, msg.input_ids, params, msg.extra)
+            leg = PDLegFields.from_wire(msg.leg) if msg.leg else None
+            self.engine.add_request(msg.rid, msg.input_ids, params, leg)
         except (ValueError, TypeError) as exc:
             self._reply(m.Rejected(msg.rid, 400, str(exc)))
             return

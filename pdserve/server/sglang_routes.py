@@ -22,7 +22,7 @@ VERSION = "pdserve-0.1.0"
 
 def sglang_server_info(front: Frontend) -> dict:
     """The /server_info keys SGLang's router and tools read, with pdserve's values."""
-    ready = front.client.ready
+    ready = front.client.info
     mode = {"prefill": "prefill", "decode": "decode"}.get(front.cfg.role, "null")
     return {"model_path": front.cfg.engine.model, "served_model_name": front.cfg.model_name,
             "tokenizer_path": front.cfg.engine.model, "disaggregation_mode": mode,

@@ -32,6 +32,7 @@ from decode_node.role import DecodeRole
 from kv_transfer import KVTransferConfig
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.disagg.leg import PDLegFields
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Req
 from prefill_node.role import PrefillRole
@@ -203,13 +204,11 @@ class PDCluster:
     def endpoint(self, p: int = 0) -> str:
         return self.prefills[p].role.mgr.endpoint
 
-    def leg_fields(self, p: int) -> dict:
+    def kv_endpoints(self, p: int) -> tuple[str, ...]:
         """What the decode leg names of prefill `p` (every rank's endpoint on a TP node)."""
-        fields = {"prefill_kv_endpoint": self.endpoint(p)}
         if self.prefills[p].cfg.tp_size > 1:
-            fields["prefill_kv_endpoints"] = self.prefills[p].role.registry_fields()[
-                "kv_endpoints"]
-        return fields
+            return tuple(self.prefills[p].role.registry_fields()["kv_endpoints"])
+        return (self.endpoint(p),)
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams, p: int = 0, d: int = 0,
@@ -220,16 +219,16 @@ class PDCluster:
         rid = f"pd-{next(_rids)}"
         preq = dreq = None
         if "p" in legs:
-            p_extra: dict = {"bootstrap_room": room}
             d_tp = self.decodes[d].cfg.tp_size if self.decodes else 1
-            if d_tp != self.prefills[p].cfg.tp_size:  # as the router: KV sliced by heads
-                p_extra["decode_tp_size"] = d_tp
+            # As the router: the decode's TP size only when KV is sliced by heads.
+            p_leg = PDLegFields(bootstrap_room=room, decode_tp_size=(
+                d_tp if d_tp != self.prefills[p].cfg.tp_size else None))
             preq = self.prefills[p].add_request(rid, list(prompt), SamplingParams(**vars(params)),
-                                                p_extra)
+                                                p_leg)
         if "d" in legs:
             dreq = self.decodes[d].add_request(
                 rid, list(prompt), SamplingParams(**vars(params)),
-                {"bootstrap_room": room, **self.leg_fields(p)})
+                PDLegFields(bootstrap_room=room, prefill_kv_endpoints=self.kv_endpoints(p)))
         leg = Leg2(rid, room, preq, dreq, p, d)
         self.legs.append(leg)
         return leg

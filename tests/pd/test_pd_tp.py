@@ -24,6 +24,7 @@ from pd_pair import (
 
 from bootstrap.record import RegisteredNode
 from kv_transfer.heads import head_runs
+from pdserve.disagg.leg import PDLegFields
 from pdserve.disagg.registration import PrefillPeerResolver
 from pdserve.http.errors import ApiError
 
@@ -80,20 +81,20 @@ def test_unsliceable_tp_refused_with_clear_error():
         eps = [cluster.endpoint(0)] * 3
         with pytest.raises(ValueError, match="cannot be sliced for this decode node of TP 1: "
                                              "TP 3 cannot split 2 KV heads"):
-            cluster.decodes[0].add_request("bad-d", list(PROMPTS[1]), greedy(4), {
-                "bootstrap_room": 99, "prefill_kv_endpoint": eps[0],
-                "prefill_kv_endpoints": eps})
+            cluster.decodes[0].add_request("bad-d", list(PROMPTS[1]), greedy(4), PDLegFields(
+                bootstrap_room=99, prefill_kv_endpoints=tuple(eps)))
         with pytest.raises(ValueError, match="TP 3 cannot split 2 KV heads"):
-            cluster.prefills[0].add_request("bad-p", list(PROMPTS[1]), greedy(4), {
-                "bootstrap_room": 99, "decode_tp_size": 3})
+            cluster.prefills[0].add_request("bad-p", list(PROMPTS[1]), greedy(4), PDLegFields(
+                bootstrap_room=99, decode_tp_size=3))
         # A TP1 decode given only rank 0's endpoint, the prefill not told its TP size (an
         # old router): the prefill's transfer handshake refuses the Register, naming the
         # TP rank it expected; both legs fail, pools full.
         room = 1234567
-        dreq = cluster.decodes[0].add_request("mismatch-d", list(PROMPTS[3]), greedy(4), {
-            "bootstrap_room": room, "prefill_kv_endpoint": cluster.endpoint(0)})
+        dreq = cluster.decodes[0].add_request(
+            "mismatch-d", list(PROMPTS[3]), greedy(4),
+            PDLegFields(bootstrap_room=room, prefill_kv_endpoints=(cluster.endpoint(0),)))
         preq = cluster.prefills[0].add_request("mismatch-p", list(PROMPTS[3]), greedy(4),
-                                               {"bootstrap_room": room})
+                                               PDLegFields(bootstrap_room=room))
         cluster.run(timeout=60)
         assert_failed(dreq, "decode leg")
         assert "TP rank 0 of 2" in dreq.error and "TP rank 0 of 1" in dreq.error, dreq.error
@@ -183,13 +184,13 @@ class _Registry:
 def test_decode_front_pairs_other_tp_sizes_and_refuses_other_head_counts():
     me = _node("decode", 2)
     same = PrefillPeerResolver(_Registry(_node("prefill", 2)), me)
-    out = asyncio.run(same.resolve({"bootstrap_room": 5, "prefill_node_id": "prefill-2"}))
-    assert out["prefill_kv_endpoints"] == ["127.0.0.1:2", "127.0.0.1:3"]
+    leg = PDLegFields(bootstrap_room=5, prefill_node_id="prefill-2")
+    assert asyncio.run(same.resolve(leg)).prefill_kv_endpoints == ("127.0.0.1:2", "127.0.0.1:3")
     # A TP1 prefill of the same model: its KV is sliced by heads for our two ranks.
     tp1 = PrefillPeerResolver(_Registry(_node("prefill", 1)), me)
-    out = asyncio.run(tp1.resolve({"bootstrap_room": 5, "prefill_node_id": "prefill-1"}))
-    assert out["prefill_kv_endpoint"] == "127.0.0.1:2" and "prefill_kv_endpoints" not in out
+    leg = PDLegFields(bootstrap_room=5, prefill_node_id="prefill-1")
+    assert asyncio.run(tp1.resolve(leg)).prefill_kv_endpoints == ("127.0.0.1:2",)
     # Another KV head count cannot be sliced into ours.
     other = PrefillPeerResolver(_Registry(_node("prefill", 1, kv_heads=4)), me)
     with pytest.raises(ApiError, match="KV heads 4 != 2"):
-        asyncio.run(other.resolve({"bootstrap_room": 5, "prefill_node_id": "prefill-1"}))
+        asyncio.run(other.resolve(leg))

@@ -10,6 +10,7 @@ import time
 import pytest
 from test_router_units import record
 
+from pdserve.disagg.leg import PDLegFields
 from pdserve.disagg.registration import PrefillPeerResolver
 from pdserve.http.errors import ApiError
 from pdserve.router.config import RouterConfig
@@ -50,14 +51,15 @@ def test_decode_resolver_trusts_a_record_the_registry_just_forgot():
     me = record("d0", "decode").model_dump(mode="json")
     client = _Client()
 
-    def resolve(resolver: PrefillPeerResolver) -> dict:
-        return asyncio.run(resolver.resolve({"prefill_node_id": "p0"}))
+    def resolve(resolver: PrefillPeerResolver) -> str:
+        leg = asyncio.run(resolver.resolve(PDLegFields(prefill_node_id="p0")))
+        return leg.prefill_kv_endpoints[0]
 
     resolver = PrefillPeerResolver(client, me)
     client.answer = record("p0", "prefill")
-    assert resolve(resolver)["prefill_kv_endpoint"] == "127.0.0.1:2"
+    assert resolve(resolver) == "127.0.0.1:2"
     client.answer, client.epoch = None, "e2"  # the registry restarted empty
-    assert resolve(resolver)["prefill_kv_endpoint"] == "127.0.0.1:2"
+    assert resolve(resolver) == "127.0.0.1:2"
     resolver2 = PrefillPeerResolver(client, me)
     client.answer = record("p0", "prefill")
     resolve(resolver2)

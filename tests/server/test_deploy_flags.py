@@ -14,8 +14,10 @@ import pytest
 from bootstrap.record import NodeRegistration
 from pdserve.disagg.config import PDConfig
 from pdserve.disagg.registration import node_record
+from pdserve.flags import ConfigError
 from pdserve.netaddr import http_url, url_host
 from pdserve.router.config import RouterConfig
+from pdserve.server.config import ServerConfig
 from pdserve.server.drain import wait_drained
 
 KV = {"kv_endpoint": "h:1", "transfer_backend": "tcp", "model": "m", "page_size": 16,
@@ -55,10 +57,19 @@ def test_registry_token_file(tmp_path: Path):
             _router("--registry-token-file", str(bad))
 
 
+def _node(*argv: str) -> ServerConfig:
+    p = argparse.ArgumentParser()
+    ServerConfig.add_cli_args(p)
+    PDConfig.add_cli_args(p)
+    return ServerConfig.from_cli(p.parse_args(["--registry", "http://r:8998", *argv]),
+                                 "decode")
+
+
 def test_wildcard_host_needs_advertise_host():
-    with pytest.raises(ValueError, match="--advertise-host"):
-        _pd(host="0.0.0.0")
-    assert _pd("--advertise-host", "10.1.2.3", host="0.0.0.0").advertise_host == "10.1.2.3"
+    with pytest.raises(ConfigError, match="--advertise-host"):
+        _node("--host", "0.0.0.0")
+    cfg = _node("--advertise-host", "10.1.2.3", "--host", "0.0.0.0")
+    assert cfg.pd.advertise_host == "10.1.2.3" and cfg.host == "0.0.0.0"
 
 
 @pytest.mark.parametrize("host,url", [("10.1.2.3", "http://10.1.2.3:30002"),
