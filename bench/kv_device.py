@@ -51,8 +51,8 @@ def make_engine(device: str, tokens: int, fill: bool) -> _Engine:
 
 def make_manager(engine: _Engine, role: str, backend: str):
     from kv_transfer import KVTransferConfig
-    from pdserve.disagg.metadata import MetadataPool
-    from pdserve.disagg.transfer_setup import make_kv_manager
+    from pdserve.pd.metadata import MetadataPool
+    from pdserve.pd.transfer_setup import make_kv_manager
 
     meta = MetadataPool(8)
     return make_kv_manager(engine.kv_pool, role, meta, KVTransferConfig(backend=backend),
@@ -108,7 +108,7 @@ def recv(conn, timeout: float = 300.0):
 
 def one_room(mgr, conn, room: int, src: list[int], dst: list[int]) -> float:
     from kv_transfer import KVPoll, KVSender
-    from pdserve.disagg.metadata import pack_row
+    from pdserve.pd.metadata import pack_row
 
     conn.send(("recv", room, mgr.endpoint, dst))
     s = KVSender(mgr, room)

@@ -1,6 +1,6 @@
 """`pdserve decode`."""
 
-from pdserve.server.node_cli import add_node_parser
+from pdserve.node.node_cli import add_node_parser
 
 
 def add_parser(sub) -> None:

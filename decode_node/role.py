@@ -29,12 +29,12 @@ import logging
 
 from decode_node.state import DecodeState, decode_state
 from kv_transfer import KVPoll, KVReceiver, KVTransferConfig
-from pdserve.disagg.leg import PDLegFields
-from pdserve.disagg.metadata import unpack_row
-from pdserve.disagg.tp_transfer import TPReceiver
-from pdserve.disagg.transfer_role import TransferRole
 from pdserve.engine.request import Req
 from pdserve.engine.role import RoleContext
+from pdserve.pd.leg import PDLegFields
+from pdserve.pd.metadata import unpack_row
+from pdserve.pd.tp_transfer import TPReceiver
+from pdserve.pd.transfer_role import TransferRole
 
 log = logging.getLogger("pdserve.decode")
 
@@ -57,7 +57,7 @@ class DecodeRole(TransferRole):
 
     # 1. arrival ------------------------------------------------------------------------------
     def add_request(self, req: Req, leg: PDLegFields | None) -> None:
-        # Types and ranges were checked when `leg` was built (pdserve/disagg/leg.py); the
+        # Types and ranges were checked when `leg` was built (pdserve/pd/leg.py); the
         # decode_tp_size of a prefill leg is ignored: we know our own.
         if leg is None or leg.bootstrap_room is None:
             raise ValueError("a decode node needs `bootstrap_room` (an integer in [0, 2^63))")

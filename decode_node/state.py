@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_transfer import KVReceiver
-from pdserve.disagg.tp_transfer import TPReceiver
+from pdserve.pd.tp_transfer import TPReceiver
 
 if TYPE_CHECKING:
     from pdserve.engine.request import Req

@@ -87,7 +87,7 @@ class KVTransferConfig:
     # The KV data path's shared secret ("" = open): a decode's Register and every tcp
     # write carry it, and a prefill refuses a Register, a decode's tcp server a write,
     # without it (counted as stranger_peers / stranger_writes). PD nodes derive it from
-    # the registry token (pdserve/disagg/config.py: kv_token), which both sides hold.
+    # the registry token (pdserve/pd/config.py: kv_token), which both sides hold.
     token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

@@ -52,7 +52,7 @@ def crc_regions(regions: Iterable[tuple[int, int]], crc: int = 0) -> int:
 class HostMemory:
     """How the transfer layer touches registered memory when it is host memory (the
     default): zero-copy views. A node whose KV lives on a GPU passes another object with
-    the same methods (`pdserve/disagg/bounce.py: BounceMemory`), which stages pages
+    the same methods (`pdserve/pd/bounce.py: BounceMemory`), which stages pages
     through a pinned host buffer (docs/architecture.md: KV transfer, Device memory).
 
     Metadata rows are always host memory and are read/written with `read_bytes` /

@@ -15,7 +15,7 @@ import sys
 # (module, attribute) pairs; imported lazily so `pdserve registry` does not pay for torch.
 SUBCOMMANDS: list[str] = [
     "pdserve.commands.generate",
-    "pdserve.server.cli",
+    "pdserve.node.cli",
     "prefill_node.cli",
     "decode_node.cli",
     "bootstrap.cli",

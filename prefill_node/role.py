@@ -27,13 +27,13 @@ from __future__ import annotations
 import logging
 
 from kv_transfer import KVPoll, KVSender, KVTransferConfig
-from pdserve.disagg.leg import PDLegFields
-from pdserve.disagg.metadata import pack_row
-from pdserve.disagg.tp_transfer import TPSender
-from pdserve.disagg.transfer_role import TransferRole
 from pdserve.engine.batch import Batch
 from pdserve.engine.request import Req, ReqState
 from pdserve.engine.role import RoleContext
+from pdserve.pd.leg import PDLegFields
+from pdserve.pd.metadata import pack_row
+from pdserve.pd.tp_transfer import TPSender
+from pdserve.pd.transfer_role import TransferRole
 from prefill_node.bookkeeping import SendProgress
 from prefill_node.state import PrefillState, prefill_state
 
@@ -60,7 +60,7 @@ class PrefillRole(TransferRole):
 
     # 1. arrival --------------------------------------------------------------------------
     def add_request(self, req: Req, leg: PDLegFields | None) -> None:
-        # Types and ranges were checked when `leg` was built (pdserve/disagg/leg.py).
+        # Types and ranges were checked when `leg` was built (pdserve/pd/leg.py).
         if leg is None or leg.bootstrap_room is None:
             raise ValueError("a prefill node needs `bootstrap_room` (an integer in [0, 2^63))")
         room = leg.bootstrap_room

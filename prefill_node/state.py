@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_transfer import KVSender
-from pdserve.disagg.tp_transfer import TPSender
+from pdserve.pd.tp_transfer import TPSender
 from prefill_node.bookkeeping import SendProgress
 
 if TYPE_CHECKING:

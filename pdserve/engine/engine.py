@@ -41,7 +41,7 @@ from pdserve.prompt_check import check_prompt_ids
 from pdserve.sampling_params import SamplingParams, grammar_of
 
 if TYPE_CHECKING:  # the engine hands a PD leg to its role without reading it
-    from pdserve.disagg.leg import PDLegFields
+    from pdserve.pd.leg import PDLegFields
 
 log = logging.getLogger(__name__)
 

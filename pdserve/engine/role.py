@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pdserve.disagg.leg import PDLegFields
     from pdserve.engine.batch import Batch
     from pdserve.engine.request import Req
     from pdserve.memory.kv_pool import KVPool
+    from pdserve.pd.leg import PDLegFields
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ class TPModel:
         self._pipe = threading.Lock()  # whole messages on the pipes (forward + role threads)
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_workers, procs)
-        # What the workers report back on their stdout (PD transfers, pdserve/disagg/tp_rooms).
+        # What the workers report back on their stdout (PD transfers, pdserve/pd/tp_rooms).
         self.replies = WorkerReplies(len(procs))
         for rank, p in enumerate(procs, start=1):
             threading.Thread(target=self.replies.read, args=(rank, p.stdout), daemon=True,

@@ -4,7 +4,7 @@
 It loads the model, keeps its shard, owns a KV pool for its KV heads (same page count and
 page table as rank 0: rank 0 sends the slots with each batch), then runs every forward rank
 0 announces on stdin. On a prefill / decode node it also runs this rank's KV transfers
-(pdserve/disagg/tp_rooms.py), replying on stdout. It exits on "stop", at EOF of stdin (rank
+(pdserve/pd/tp_rooms.py), replying on stdout. It exits on "stop", at EOF of stdin (rank
 0 is gone), when its parent process changes (rank 0 killed while this rank sat in a
 collective), or when a collective fails (another rank died).
 """
@@ -69,7 +69,7 @@ def serve(cfg: EngineConfig, rank: int, port: int, replies) -> None:
             if msg["op"] == "forward":
                 _forward(msg, group, loaded.model, pool, device)
             elif msg["op"] == "transfer":  # a prefill / decode node: this rank's transfers
-                from pdserve.disagg.tp_rooms import WorkerTransfer
+                from pdserve.pd.tp_rooms import WorkerTransfer
 
                 transfer = WorkerTransfer(pool, rank, msg, replies, threading.Lock())
             else:

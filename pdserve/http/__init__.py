@@ -1,5 +1,5 @@
-"""The HTTP layer shared by every pdserve server and client: the node (`pdserve.server`),
-the router (`pdserve.router`), the PD glue (`pdserve.disagg`) and the registry import it,
+"""The HTTP layer shared by every pdserve server and client: the node (`pdserve.node`),
+the router (`pdserve.router`), the PD glue (`pdserve.pd`) and the registry import it,
 and it imports none of them (docs/architecture.md: Module map).
 
 Request bodies (`protocol.py`, `sglang_body.py`, `plain_json.py`), errors and their

@@ -3,7 +3,7 @@
 
 SGLang's router (`sglang-router --pd-disaggregation`) forwards the client's body to a
 prefill and a decode worker at once, with `bootstrap_host` / `bootstrap_port` (the
-prefill's bootstrap endpoint, see `pdserve/disagg/bootstrap_server.py`) and a random
+prefill's bootstrap endpoint, see `pdserve/node/sglang_bootstrap.py`) and a random
 `bootstrap_room` added. It also fills in SGLang's own /generate defaults (`model: null`,
 `log_metrics: true`, ...). Those are accepted here: harmless ones are ignored, and the
 ones that ask for a feature pdserve lacks are a 400 only when set to true.

@@ -5,7 +5,7 @@
 instead of a chain of eager ops (an RMSNorm is eight), and decode attention reads the paged
 pool in place instead of gathering every context into a padded tensor first. Both round to
 the storage dtype at the same points as HF's modelling code (docs/architecture.md: "Engine
-speed"); the equivalence is tested op by op (tests/engine/test_kernels.py) and end to end.
+speed"); the equivalence is tested op by op (tests/kernels/test_kernels.py) and end to end.
 
 Shapes: T tokens, H / Hkv query / KV heads, D head dim, B requests, P pages per request.
 """

@@ -1,6 +1,6 @@
 """The decode leg's stream, read back: SSE lines -> events.
 
-A node's /generate stream (pdserve/server/api.py) sends `data: {"text", "output_ids",
+A node's /generate stream (pdserve/node/api.py) sends `data: {"text", "output_ids",
 "meta_info"}` with *cumulative* text and ids, an in-band `data: {"error": {...}}` when
 the request fails after its 200 header, and `data: [DONE]` at the end. `Event` has the
 attributes pdserve.http.openai_format's chunk writers read, so the router formats

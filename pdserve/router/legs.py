@@ -46,9 +46,9 @@ from pdserve.router.nodes import NodeState, tp_size
 CLIENT_STATUSES = {400, 408, 413, 422}
 # Statuses a node answers before doing any work (busy, shutting down): try another node.
 REFUSED_STATUSES = {429, 503}
-# Decode-node error codes that name the prefill node as the cause (pdserve.server.frontend).
+# Decode-node error codes that name the prefill node as the cause (pdserve.node.frontend).
 PREFILL_FAULT_CODES = {"prefill_node_unavailable", "prefill_failed"}
-# A node that got SIGTERM refuses new requests with this code (pdserve/server/drain.py).
+# A node that got SIGTERM refuses new requests with this code (pdserve/node/drain.py).
 DRAINING = "draining"
 STALLED = "decode_stalled"
 # A node whose scheduler died fails its open requests with this code (engine_client.py).

@@ -12,7 +12,7 @@ from engine_helpers import get_llm
 from pdserve.engine.role import RequestKV, RequestOutput, RequestQueue, Role
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLE_FILES = ["pdserve/engine/role.py", "pdserve/disagg/transfer_role.py", "prefill_node/role.py",
+ROLE_FILES = ["pdserve/engine/role.py", "pdserve/pd/transfer_role.py", "prefill_node/role.py",
               "decode_node/role.py"]
 
 

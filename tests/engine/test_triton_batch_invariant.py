@@ -7,13 +7,17 @@ same tokens and logprob bits alone, in a batch and in another chunk size."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import discard_llm, get_llm, pool_problems
 from test_batch_invariant import PARAMS, PROMPTS
-from test_triton_attention import Pool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from test_triton_attention import Pool  # noqa: E402  (tests/kernels: the scattered pool)
 
 from pdserve.kernels import triton_attention as ta
 from pdserve.kernels import triton_matmul as tm

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-for sub in ("engine", "pd"):
+for sub in ("engine", "kernels", "pd"):
     path = str(HERE.parent / sub)
     if path not in sys.path:
         sys.path.insert(0, path)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kv_transfer.memory import HostMemory
-from pdserve.disagg.bounce import BounceMemory
 from pdserve.engine.staging import StagingRing
+from pdserve.pd.bounce import BounceMemory
 
 pytestmark = pytest.mark.timeout(300)
 DEV = torch.device("cuda")

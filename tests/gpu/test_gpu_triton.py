@@ -1,5 +1,5 @@
 """The Triton paged attention kernels compiled for CUDA (on CPU the same kernels run in the
-interpreter: tests/engine/test_triton_attention.py): against float64 attention over each
+interpreter: tests/kernels/test_triton_attention.py): against float64 attention over each
 row's gathered context, bf16 dots included; and the engine's default CUDA backend
 (`--attention-backend auto` = triton) token-exact against the torch backend (SDPA over
 gathered pages) and transformers, with prompts crossing pages and chunks."""

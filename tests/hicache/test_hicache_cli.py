@@ -47,8 +47,8 @@ def test_storage_tier_needs_hicache():
 def test_storage_metrics_render(tmp_path):
     """The storage tier's counters reach /metrics and /server_info names the backend."""
     from pdserve import LLM, SamplingParams
-    from pdserve.server import messages as m
-    from pdserve.server.metrics import Metrics
+    from pdserve.node import messages as m
+    from pdserve.node.metrics import Metrics
 
     llm = LLM("tiny-llama", max_total_tokens=256, enable_hierarchical_cache=True,
               hicache_storage_backend="file", hicache_storage_path=str(tmp_path))
@@ -75,8 +75,8 @@ def test_storage_metrics_render(tmp_path):
 
 def test_hicache_metrics_render():
     from pdserve import LLM, SamplingParams
-    from pdserve.server import messages as m
-    from pdserve.server.metrics import Metrics
+    from pdserve.node import messages as m
+    from pdserve.node.metrics import Metrics
 
     llm = LLM("tiny-llama", max_total_tokens=256, enable_hierarchical_cache=True,
               hicache_ratio=3)

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from pdserve.disagg.bootstrap_peer import BootstrapPeers, bootstrap_url
 from pdserve.http.errors import ApiError
 from pdserve.http.protocol import ChatBody, CompletionBody, GenerateBody
+from pdserve.node.sglang_bootstrap_peer import BootstrapPeers, bootstrap_url
 from pdserve.ports import free_port
 
 LEG = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8999, "bootstrap_room": 12345}

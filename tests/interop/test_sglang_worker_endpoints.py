@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
 from server_harness import MODEL, Server, assert_error  # noqa: E402
 
 

@@ -97,7 +97,7 @@ def _add_manager(node: _Node, name: str, backend: str, cfg: dict[str, Any], seed
     cfg = dict(cfg)
     memory = None
     if cfg.pop("bounce", False):  # stage every buffer through the bounce path (CPU pools)
-        from pdserve.disagg.bounce import BounceMemory
+        from pdserve.pd.bounce import BounceMemory
 
         memory = BounceMemory([*pools.k, *pools.v, *pools.meta], force=True)
     mgr = TransferManager(args, node.role, KVTransferConfig(backend=backend, **cfg), memory=memory)

@@ -1,4 +1,4 @@
-"""The pinned-bounce staging path used for KV pools on a GPU (pdserve/disagg/bounce.py),
+"""The pinned-bounce staging path used for KV pools on a GPU (pdserve/pd/bounce.py),
 forced onto CPU pools so it runs here: unit checks of gather/scatter/crc, and real
 transfers between two processes with every KV byte staged on both sides."""
 
@@ -13,7 +13,7 @@ from kvt_helpers import BUFFERS, PAGE_BYTES, check_rooms, launch, make_room
 from kvt_pair import Pair
 
 from kv_transfer.memory import HostMemory
-from pdserve.disagg.bounce import BounceMemory
+from pdserve.pd.bounce import BounceMemory
 
 pytestmark = pytest.mark.timeout(120)
 

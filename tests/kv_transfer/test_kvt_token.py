@@ -12,7 +12,7 @@ from kvt_helpers import FAILED, check_rooms, launch, make_room
 from kvt_pair import Pair
 
 from kv_transfer.prefill_peers import STRANGER
-from pdserve.disagg.config import kv_token
+from pdserve.pd.config import kv_token
 
 pytestmark = pytest.mark.timeout(90)
 TOKEN = kv_token("registry secret")

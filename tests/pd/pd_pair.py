@@ -32,9 +32,9 @@ from decode_node.role import DecodeRole
 from kv_transfer import KVTransferConfig
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.disagg.leg import PDLegFields
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Req
+from pdserve.pd.leg import PDLegFields
 from prefill_node.role import PrefillRole
 
 BACKENDS = ("mooncake", "tcp")

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from pdserve.disagg.metadata import ROW_BYTES, MetadataPool, pack_row, unpack_row
+from pdserve.pd.metadata import ROW_BYTES, MetadataPool, pack_row, unpack_row
 from prefill_node.bookkeeping import SendProgress
 
 

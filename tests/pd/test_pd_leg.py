@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.disagg.leg import PDLegFields
-from pdserve.server import messages as m
+from pdserve.node import messages as m
+from pdserve.pd.leg import PDLegFields
 
 
 def test_wire_round_trip_keeps_only_what_is_set():

@@ -24,9 +24,9 @@ from pd_pair import (
 
 from bootstrap.record import RegisteredNode
 from kv_transfer.heads import head_runs
-from pdserve.disagg.leg import PDLegFields
-from pdserve.disagg.registration import PrefillPeerResolver
 from pdserve.http.errors import ApiError
+from pdserve.node.registration import PrefillPeerResolver
+from pdserve.pd.leg import PDLegFields
 
 NEW_TOKENS = 12
 PROMPTS = [random_prompt(n, seed=700 + i) for i, n in enumerate((1, 16, 17, 65, 150))]

@@ -10,9 +10,9 @@ import time
 import pytest
 from test_router_units import record
 
-from pdserve.disagg.leg import PDLegFields
-from pdserve.disagg.registration import PrefillPeerResolver
 from pdserve.http.errors import ApiError
+from pdserve.node.registration import PrefillPeerResolver
+from pdserve.pd.leg import PDLegFields
 from pdserve.router.config import RouterConfig
 from pdserve.router.nodes import NodeTable
 

@@ -1,4 +1,4 @@
-"""Hostile input through the router: every case of tests/server/hostile_inputs.py (the same
+"""Hostile input through the router: every case of tests/node/hostile_inputs.py (the same
 list the node tests use) is an OpenAI-shaped 400 within a bound, never a hang until the
 request timeout; the router holds no slot afterwards and keeps serving."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
 from hostile_inputs import BOUND_S, CASES, IDS, post_all_then_generate, post_raw  # noqa: E402
 from server_harness import assert_error  # noqa: E402
 

@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 from kv_transfer import KVTransferConfig
-from pdserve.disagg.metadata import MetadataPool
-from pdserve.disagg.tp_transfer import start_role_transfers, tp_registry_fields
 from pdserve.engine.request import Req
 from pdserve.engine.role import Role, RoleContext
+from pdserve.pd.metadata import MetadataPool
+from pdserve.pd.tp_transfer import start_role_transfers, tp_registry_fields
 
 
 class TransferRole(Role):

@@ -6,8 +6,8 @@ from typing import cast
 
 from kv_transfer import KVArgs, KVTransferConfig, TransferManager
 from kv_transfer.manager import Role as TransferSide
-from pdserve.disagg.metadata import MetadataPool
 from pdserve.memory.kv_pool import KVPool
+from pdserve.pd.metadata import MetadataPool
 
 
 def make_kv_manager(pool: KVPool, role: str, meta: MetadataPool, cfg: KVTransferConfig,
@@ -20,7 +20,7 @@ def make_kv_manager(pool: KVPool, role: str, meta: MetadataPool, cfg: KVTransfer
                                meta_bufs=[meta.buffer], tp=tp)
     memory = None
     if pool.k_buffers[0].device.type != "cpu":
-        from pdserve.disagg.bounce import BounceMemory
+        from pdserve.pd.bounce import BounceMemory
 
         memory = BounceMemory([*pool.k_buffers, *pool.v_buffers, meta.buffer])
     # The manager checks `role` is prefill or decode (a ValueError otherwise).

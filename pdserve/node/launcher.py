@@ -26,15 +26,15 @@ import zmq.asyncio
 
 from pdserve.http.body_limit import BodyLimitMiddleware
 from pdserve.http.guard import guarded_protocol
+from pdserve.node.api import build_app
+from pdserve.node.config import ServerConfig
+from pdserve.node.drain import NodeServer, wait_drained
+from pdserve.node.engine_client import EngineClient
+from pdserve.node.frontend import Frontend
+from pdserve.node.metrics import Metrics
 from pdserve.ports import bind_port, check_port_free
-from pdserve.server.api import build_app
-from pdserve.server.config import ServerConfig
-from pdserve.server.drain import NodeServer, wait_drained
-from pdserve.server.engine_client import EngineClient
-from pdserve.server.frontend import Frontend
-from pdserve.server.metrics import Metrics
 
-log = logging.getLogger("pdserve.server")
+log = logging.getLogger("pdserve.node")
 GRACEFUL_S = 10
 # A dead scheduler: /livez answers 503 this long (the failed requests' errors reach their
 # clients, a probe sees why), then the node exits 1 for its supervisor to restart it.
@@ -45,7 +45,7 @@ STARTUP_TIMEOUT_S = 900  # first start may convert SmolLM2 from GGUF
 def _run_scheduler(*args) -> None:
     """The scheduler process's entry, imported only there: this (HTTP) process never
     loads torch, the model code or the engine (seconds of CPU at every start)."""
-    from pdserve.server.scheduler_process import run_scheduler
+    from pdserve.node.scheduler_process import run_scheduler
 
     run_scheduler(*args)
 
@@ -92,7 +92,7 @@ def serve(cfg: ServerConfig) -> int:
 
 
 def _register(cfg, client, front, extra: dict):
-    from pdserve.disagg.registration import PrefillPeerResolver, register_node
+    from pdserve.node.registration import PrefillPeerResolver, register_node
 
     registry, record = register_node(cfg, client.ready, lambda: client.stats, extra)
     front.metrics.watch_registry(registry)
@@ -108,7 +108,7 @@ def _bootstrap_socket(cfg):
     the start and port 0 is resolved for the record."""
     if cfg.role != "prefill" or cfg.pd.bootstrap_port is None:
         return None
-    from pdserve.disagg.bootstrap_server import bind_bootstrap_socket
+    from pdserve.node.sglang_bootstrap import bind_bootstrap_socket
 
     return bind_bootstrap_socket(cfg.host, cfg.pd.bootstrap_port)
 
@@ -139,7 +139,7 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
     http_sock.listen(2048)
     registry = bootstrap = None
     if cfg.pd is not None:
-        from pdserve.disagg.registration import RegistrationFailed
+        from pdserve.node.registration import RegistrationFailed
         from pdserve.ports import PortInUse
 
         try:
@@ -152,7 +152,7 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
             ctx.term()
             return 1
         if sock is not None:
-            from pdserve.disagg.bootstrap_server import BootstrapServer
+            from pdserve.node.sglang_bootstrap import BootstrapServer
 
             bootstrap = BootstrapServer(sock, record, cfg.http)
             bootstrap.start()

@@ -3,7 +3,7 @@
 outputs afterwards with its pools full. Then schemathesis fuzzes this node's OpenAPI spec
 (the short timeout keeps every generation cheap) and finds no 5xx. The tests share the
 node and run in any order (each leaves it idle with its pools full); what happens when its
-scheduler dies is tests/server/test_server_scheduler_death.py, on a node of its own."""
+scheduler dies is tests/node/test_server_scheduler_death.py, on a node of its own."""
 
 from __future__ import annotations
 

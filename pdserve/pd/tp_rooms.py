@@ -16,10 +16,10 @@ import time
 from typing import BinaryIO
 
 from kv_transfer import KVTransferConfig
-from pdserve.disagg.metadata import MetadataPool
-from pdserve.disagg.sub_rooms import SubRooms, rank_receivers, rank_senders
-from pdserve.disagg.transfer_setup import make_kv_manager
 from pdserve.engine.tp_group import write_msg
+from pdserve.pd.metadata import MetadataPool
+from pdserve.pd.sub_rooms import SubRooms, rank_receivers, rank_senders
+from pdserve.pd.transfer_setup import make_kv_manager
 
 WATCH_S = 0.005  # how often room states are checked for changes
 

@@ -24,8 +24,8 @@ from pdserve.http.protocol import (
 )
 from pdserve.http.sse import sse
 from pdserve.http.tokenize_routes import add_tokenize_routes
-from pdserve.server.frontend import Frontend
-from pdserve.server.sglang_routes import add_sglang_routes, sglang_server_info
+from pdserve.node.frontend import Frontend
+from pdserve.node.sglang_routes import add_sglang_routes, sglang_server_info
 
 
 def node_info(front: Frontend) -> dict:

@@ -3,7 +3,7 @@ transfer over every rank of both nodes, equal or different TP sizes.
 
 `TPSender` / `TPReceiver` have the `KVSender` / `KVReceiver` interface the roles use. They
 drive rank 0's own share of the room (`SubRooms`: one sub-transfer per (prefill rank,
-decode rank) head run of rank 0) and mirror each call to the worker ranks (pdserve/disagg/
+decode rank) head run of rank 0) and mirror each call to the worker ranks (pdserve/pd/
 tp_rooms.py), which report their shares' states back. The room's state is the MIN over the
 ranks (Failed < Bootstrapping < ... < Success, as SGLang's KVPoll order): Success only when
 every sub-transfer is. The first rank to fail aborts the room on every rank. A decode room
@@ -23,9 +23,9 @@ import weakref
 from collections.abc import Sequence
 
 from kv_transfer import KVPoll, KVTransferConfig, TransferManager
-from pdserve.disagg.metadata import MetadataPool
-from pdserve.disagg.sub_rooms import rank_receivers, rank_senders
-from pdserve.disagg.transfer_setup import make_kv_manager
+from pdserve.pd.metadata import MetadataPool
+from pdserve.pd.sub_rooms import rank_receivers, rank_senders
+from pdserve.pd.transfer_setup import make_kv_manager
 
 READY_TIMEOUT_S = 120.0
 

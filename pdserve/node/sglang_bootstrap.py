@@ -8,7 +8,7 @@ serves on that port what a decode node needs to reach it, the same fields its re
 record has: `GET /bootstrap` answers `{"node": {node_id, instance_id, role, kv_endpoint,
 transfer_session, transfer_backend, model, page_size, kv_layout, http_url}}` (a TP node
 also `tp_size`, `kv_endpoints`, `kv_heads_total`). The decode side is
-`pdserve/disagg/bootstrap_peer.py`. SGLang's router does not tell the prefill the decode's
+`pdserve/node/sglang_bootstrap_peer.py`. SGLang's router does not tell the prefill the decode's
 TP size, so through it prefill and decode must run the same TP size (a mismatch fails at
 the transfer handshake naming the TP ranks).
 

@@ -1,8 +1,8 @@
-"""The scheduler's watchdog (pdserve/server/watchdog.py), in a child process of its own:
+"""The scheduler's watchdog (pdserve/node/watchdog.py), in a child process of its own:
 a loop that stops beating is killed with the stacks dumped; one that beats is left alone;
 and a stall that holds the GIL (a C call that never yields) is still caught, by the
 faulthandler backstop. The HTTP side of a dead scheduler (/livez 503, exit 1) is
-tests/server/test_server_scheduler_death.py."""
+tests/node/test_server_scheduler_death.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import subprocess
 import sys
 import textwrap
 
-from pdserve.server.watchdog import BACKSTOP_S, EXIT_STUCK
+from pdserve.node.watchdog import BACKSTOP_S, EXIT_STUCK
 
 PROGRAM = textwrap.dedent("""
     import logging, re, sys, time
-    from pdserve.server.watchdog import Watchdog
+    from pdserve.node.watchdog import Watchdog
     logging.basicConfig(level="INFO")
     dog = Watchdog(float(sys.argv[1]))
     t0 = time.monotonic()

@@ -16,10 +16,10 @@ import zmq
 import zmq.asyncio
 
 from pdserve.http.errors import ApiError
-from pdserve.server import messages as m
+from pdserve.node import messages as m
 
 NODE_FAILED = "node_failed"  # error code of requests failed by the node's own death
-log = logging.getLogger("pdserve.server")
+log = logging.getLogger("pdserve.node")
 
 
 class RequestHandle:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from fastapi import FastAPI
 
 from pdserve.http.errors import ApiError
-from pdserve.server.frontend import Frontend
+from pdserve.node.frontend import Frontend
 
 VERSION = "pdserve-0.1.0"
 

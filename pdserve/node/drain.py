@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import uvicorn
 
-log = logging.getLogger("pdserve.server")
+log = logging.getLogger("pdserve.node")
 
 
 class NodeServer(uvicorn.Server):

@@ -9,14 +9,14 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
-from pdserve.disagg.leg import PDLegFields
 from pdserve.http.detokenizer import IncrementalDetokenizer
 from pdserve.http.errors import ApiError
+from pdserve.node import messages as m
+from pdserve.node.config import ServerConfig
+from pdserve.node.engine_client import EngineClient
+from pdserve.node.metrics import Metrics
+from pdserve.pd.leg import PDLegFields
 from pdserve.prompt_check import PromptError, check_prompt_ids
-from pdserve.server import messages as m
-from pdserve.server.config import ServerConfig
-from pdserve.server.engine_client import EngineClient
-from pdserve.server.metrics import Metrics
 
 DISCONNECT_CHECK_S = 0.5
 

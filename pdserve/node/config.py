@@ -11,11 +11,11 @@ import argparse
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
-from pdserve.disagg.config import WILDCARDS, PDConfig
 from pdserve.flags import ConfigError, add_dataclass_flags, opt, values_from
 from pdserve.http.limits import HttpLimits
 from pdserve.http.tools import PARSERS
 from pdserve.models.tokenizer import read_chat_template
+from pdserve.pd.config import WILDCARDS, PDConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SUB_CONFIGS = ("engine", "http", "role", "pd")  # not flags of the server group

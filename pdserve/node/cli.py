@@ -7,7 +7,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from pdserve.server.config import ServerConfig
+    from pdserve.node.config import ServerConfig
 
     p = sub.add_parser("serve", help="run a colocated node (OpenAI-compatible HTTP API)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -16,8 +16,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.server.config import ServerConfig
-    from pdserve.server.launcher import serve
+    from pdserve.node.config import ServerConfig
+    from pdserve.node.launcher import serve
 
     try:
         cfg = ServerConfig.from_cli(args)

@@ -10,8 +10,8 @@ HELP = {"prefill": "run a prefill node (registers in the registry, sends KV to d
 
 
 def add_node_parser(sub, role: str) -> None:
-    from pdserve.disagg.config import PDConfig
-    from pdserve.server.config import ServerConfig
+    from pdserve.node.config import ServerConfig
+    from pdserve.pd.config import PDConfig
 
     p = sub.add_parser(role, help=HELP[role],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -21,15 +21,15 @@ def add_node_parser(sub, role: str) -> None:
 
 
 def run(args: argparse.Namespace, role: str) -> int:
-    from pdserve.server.config import ServerConfig
-    from pdserve.server.launcher import serve
+    from pdserve.node.config import ServerConfig
+    from pdserve.node.launcher import serve
 
     try:
         cfg = ServerConfig.from_cli(args, role)
         if role == "decode" and cfg.pd and cfg.pd.bootstrap_port is not None:
             raise ValueError("--disaggregation-bootstrap-port is a prefill node flag: a "
                              "decode node learns each prefill's address from the request")
-        from pdserve.disagg.preflight import check_transfer_setup
+        from pdserve.node.preflight import check_transfer_setup
 
         check_transfer_setup(cfg)  # e.g. KV on cuda with a non-CUDA Mooncake build
         return serve(cfg)

@@ -10,9 +10,9 @@ from bootstrap.client import RegistryClient
 from bootstrap.client_errors import RegistryError, RegistryUnavailable
 from bootstrap.pairing import pairing_problem
 from bootstrap.record import RegisteredNode, new_instance_id
-from pdserve.disagg.leg import PDLegFields
 from pdserve.http.errors import ApiError
 from pdserve.netaddr import http_url
+from pdserve.pd.leg import PDLegFields
 
 
 def node_record(cfg, ready) -> dict:
@@ -87,7 +87,7 @@ class PrefillPeerResolver:
     prefill's bootstrap endpoint, `bootstrap_peer.py`)."""
 
     def __init__(self, client: RegistryClient, me: dict) -> None:
-        from pdserve.disagg.bootstrap_peer import BootstrapPeers
+        from pdserve.node.sglang_bootstrap_peer import BootstrapPeers
 
         self.client, self.me = client, me
         self.bootstrap = BootstrapPeers()

@@ -14,13 +14,13 @@ import time
 
 import zmq
 
-from pdserve.disagg.leg import PDLegFields
-from pdserve.disagg.roles import make_role
 from pdserve.engine.engine import Engine
+from pdserve.node import messages as m
+from pdserve.node.config import ServerConfig
+from pdserve.node.roles import make_role
+from pdserve.node.watchdog import Watchdog
+from pdserve.pd.leg import PDLegFields
 from pdserve.sampling_params import SamplingParams
-from pdserve.server import messages as m
-from pdserve.server.config import ServerConfig
-from pdserve.server.watchdog import Watchdog
 
 log = logging.getLogger("pdserve.scheduler")
 STATS_PERIOD_S = 0.25

@@ -3,7 +3,7 @@
 
 A leg from SGLang's router carries `bootstrap_host` + `bootstrap_port` instead of
 pdserve's `prefill_node_id`. The prefill node answers `GET /bootstrap` on that address
-(`pdserve/disagg/bootstrap_server.py`) with its registry-record fields. Answers are kept
+(`pdserve/node/sglang_bootstrap.py`) with its registry-record fields. Answers are kept
 for `CACHE_S` so a burst of requests asks once; a prefill that restarted is still caught
 by the transfer layer (its heartbeat sees a new instance id).
 """

@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 from bootstrap.record import NodeRegistration
-from pdserve.disagg.config import PDConfig
-from pdserve.disagg.registration import node_record
 from pdserve.flags import ConfigError
 from pdserve.netaddr import http_url, url_host
+from pdserve.node.config import ServerConfig
+from pdserve.node.drain import wait_drained
+from pdserve.node.registration import node_record
+from pdserve.pd.config import PDConfig
 from pdserve.router.config import RouterConfig
-from pdserve.server.config import ServerConfig
-from pdserve.server.drain import wait_drained
 
 KV = {"kv_endpoint": "h:1", "transfer_backend": "tcp", "model": "m", "page_size": 16,
       "kv_layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"}}
