@@ -37,6 +37,7 @@ from decode_node.role import DecodeRole  # noqa: E402
 from kv_transfer import KVTransferConfig  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.pd.leg import PDLegFields  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from prefill_node.role import PrefillRole  # noqa: E402
 
@@ -88,7 +89,7 @@ def decode_main(conn, args) -> None:
                 return
             rid, ids, room, endpoint = msg
             eng.add_request(rid, ids, SamplingParams(**vars(ONE)),
-                            {"bootstrap_room": room, "prefill_kv_endpoint": endpoint})
+                            PDLegFields(bootstrap_room=room, prefill_kv_endpoints=(endpoint,)))
 
 
 # -- one pass of the stream through one prefill engine ---------------------------------------
@@ -137,7 +138,8 @@ def stream_pass(eng: Engine, tl: Timeline, conn, prompts, tag: str) -> dict:
     for i, ids in enumerate(prompts):
         rid = f"{tag}-{i}"
         conn.send((rid, ids, room0 + i, eng.role.mgr.endpoint))
-        eng.add_request(rid, ids, SamplingParams(**vars(ONE)), {"bootstrap_room": room0 + i})
+        eng.add_request(rid, ids, SamplingParams(**vars(ONE)),
+                        PDLegFields(bootstrap_room=room0 + i))
     done: dict[str, float] = {}
     steps0, fwd0 = eng.loop.stats.steps, eng.executor.forward_cpu_s
     sched0 = eng.loop.stats.sched_cpu_s

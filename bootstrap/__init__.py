@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "KVLayout",
+    "KVLayoutRecord",
     "NodeLoad",
     "NodeRecord",
     "RegisteredNode",
@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 _HOMES = {
-    "KVLayout": "bootstrap.record",
+    "KVLayoutRecord": "bootstrap.record",
     "NodeLoad": "bootstrap.record",
     "NodeRecord": "bootstrap.record",
     "RegisteredNode": "bootstrap.record",

@@ -51,16 +51,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
-    add_dataclass_flags(p, RegistryConfig, "registry", skip=_BY_HAND)
+    g = add_dataclass_flags(p, RegistryConfig, "registry", skip=_BY_HAND)
     # A secret may come from a file instead (it stays out of argv): each of these two
     # flags shares a mutually exclusive group with its -file twin.
-    store = p.add_mutually_exclusive_group()
+    store = g.add_mutually_exclusive_group()
     store.add_argument("--store", default=d.store, help=_field_help("store"))
     store.add_argument(
         "--store-file", type=Path, default=None,
         help="read --store from this file (a Redis URL with a password stays out of argv)",
     )
-    tok = p.add_mutually_exclusive_group()
+    tok = g.add_mutually_exclusive_group()
     tok.add_argument("--token", default=d.token, help=_field_help("token"))
     tok.add_argument(
         "--token-file", type=Path, default=None, help="read --token from this file instead"

@@ -46,7 +46,7 @@ SERVER_FIELDS: frozenset[str] = frozenset(
 _OPEN = ConfigDict(extra="allow", strict=True)
 
 
-class KVLayout(BaseModel):
+class KVLayoutRecord(BaseModel):
     """Shape of one node's KV pool; a decode node only pairs with a matching prefill."""
 
     model_config = _OPEN
@@ -77,7 +77,7 @@ class _RecordBody(BaseModel):
     transfer_backend: Literal["mooncake", "tcp"]
     model: str = Field(min_length=1, max_length=512)
     page_size: int = Field(ge=1, le=1 << 20)
-    kv_layout: KVLayout
+    kv_layout: KVLayoutRecord
     load: NodeLoad = Field(default_factory=NodeLoad)
     # None: the registry's --default-ttl applies. The registry also enforces its
     # --min-ttl/--max-ttl, which the schema cannot know.

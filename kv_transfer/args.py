@@ -27,7 +27,7 @@ def normalize_dtype(dtype: Any) -> str:
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class PeerLayout:
     """Everything two nodes must agree on before one may write into the other's pages."""
 
     page_size: int
@@ -63,7 +63,7 @@ class KVLayout:
     def tp_name(self) -> str:
         return f"TP rank {self.tp_rank} of {self.tp_size} ({self.num_kv_heads} KV heads)"
 
-    def mismatch(self, other: KVLayout, heads: bool = True) -> str | None:
+    def mismatch(self, other: PeerLayout, heads: bool = True) -> str | None:
         """A human-readable reason why KV from `self` cannot go into `other`, or None.
         `heads` False: the KV head count and TP rank may differ (a node of another TP
         size; each room then checks the peer rank it expects: `tp_mismatch`)."""
@@ -94,7 +94,7 @@ class KVArgs:
     owns one row index (its metadata slot) in every metadata buffer.
     """
 
-    layout: KVLayout
+    layout: PeerLayout
     k_ptrs: tuple[int, ...]
     v_ptrs: tuple[int, ...]
     buf_lens: tuple[int, ...]
@@ -151,7 +151,7 @@ class KVArgs:
         """
         k0 = k_bufs[0]
         tokens, heads, head_dim = (int(x) for x in k0.shape)
-        layout = KVLayout(page_size, len(k_bufs), heads, head_dim, normalize_dtype(k0.dtype),
+        layout = PeerLayout(page_size, len(k_bufs), heads, head_dim, normalize_dtype(k0.dtype),
                           model, tp[0], tp[1])
         lens = [int(t.numel() * t.element_size()) for t in k_bufs]
         if [int(t.numel() * t.element_size()) for t in v_bufs] != lens:

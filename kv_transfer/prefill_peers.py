@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from kv_transfer.args import KVArgs, KVLayout
+from kv_transfer.args import KVArgs, PeerLayout
 from kv_transfer.lease import PeerAsks
 from kv_transfer.messages import Register, Request
 
@@ -31,9 +31,9 @@ class DecodePeer:
         return self.reg.session
 
     @property
-    def layout(self) -> KVLayout:
+    def layout(self) -> PeerLayout:
         r = self.reg
-        return KVLayout(r.page_size, r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.model,
+        return PeerLayout(r.page_size, r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.model,
                         r.tp_rank, r.tp_size)
 
     def dst_buffers(self) -> list[int]:
@@ -59,7 +59,7 @@ def check_register(reg: Register, args: KVArgs, backend: str, token: str = "") -
     if reg.backend != backend:
         return f"incompatible transfer backend: {backend!r} != {reg.backend!r}"
     try:
-        layout = KVLayout(reg.page_size, reg.num_layers, reg.num_kv_heads, reg.head_dim,
+        layout = PeerLayout(reg.page_size, reg.num_layers, reg.num_kv_heads, reg.head_dim,
                           reg.dtype, reg.model, reg.tp_rank, reg.tp_size)
     except ValueError as exc:
         return f"invalid registration: {exc}"

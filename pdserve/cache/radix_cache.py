@@ -26,7 +26,8 @@ class Node:
         self.key = key
         self.pages = pages or []
         self.children: dict[tuple[int, ...], Node] = {}
-        self.parent = parent
+        # The root is its own parent: upward walks stop at the root, never at None.
+        self.parent: Node = parent if parent is not None else self
         self.lock_ref = 0
         self.last_access = next(_clock)
 

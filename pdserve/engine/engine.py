@@ -193,7 +193,12 @@ class Engine:
             req.grammar = RequestGrammar(self.grammars.start(*grammar), params.resumed_outputs,
                                          self.loaded.eos_token_ids)
             self.compiling.append(req)
-        self.role.add_request(req, leg)
+        try:
+            self.role.add_request(req, leg)
+        except BaseException:  # refused (e.g. a PD leg without its room): nothing kept
+            if req in self.compiling:
+                self.compiling.remove(req)
+            raise
         self.requests[rid] = req
         return req
 
@@ -298,10 +303,20 @@ class Engine:
         self.loop.drain()
 
     # -- introspection ---------------------------------------------------------------------
+    def _kernels_build(self) -> str | None:
+        """The fused CPU kernels' build id (their cache folder: sources, torch, compiler,
+        CPU flags, checkout); None where the torch reference ops run."""
+        if self.ops_choice.kind != "native":
+            return None
+        from pdserve.kernels import cache_dir
+
+        return cache_dir().name
+
     def describe(self) -> dict:
         """What this engine runs, for /server_info and logs."""
         return {"loop": self.loop_choice.loop, "loop_reason": self.loop_choice.reason,
                 "kernels": self.ops_choice.kind, "kernels_reason": self.ops_choice.reason,
+                "kernels_build": self._kernels_build(),
                 "attention_backend": self.attn_choice.backend,
                 "attention_backend_reason": self.attn_choice.reason,
                 "attention": self.runner.attention_paths(),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -38,7 +39,8 @@ class GrammarError(ValueError):
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
         self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_ids)
-        self._compiler = None  # built on the compile thread at first use (seconds)
+        # An xgrammar GrammarCompiler, built on the compile thread at first use (seconds).
+        self._compiler: Any = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def start(self, kind: str, text: str) -> Future:
@@ -74,7 +76,7 @@ class RequestGrammar:
         # The model's stop tokens: the only ones a complete match allows (also with
         # ignore_eos, where the request's own eos_ids list is empty).
         self.stop_ids = list(stop_ids)
-        self._matcher = None
+        self._matcher: Any = None  # an xgrammar GrammarMatcher, at the first catch-up
         self.accepted = 0  # tokens of `tokens(req)` the matcher has accepted
 
     @property
@@ -149,7 +151,9 @@ class GrammarGate:
     def fill(self) -> None:
         """Scheduler thread: the masks, then release the forward thread."""
         for i, req in enumerate(self.reqs):
-            if not req.finished and not req.grammar.fill(req, self.bitmask, i):
+            grammar = req.grammar
+            assert grammar is not None  # the gate holds grammar rows only
+            if not req.finished and not grammar.fill(req, self.bitmask, i):
                 self.broken.append(req)
         self._event.set()
 

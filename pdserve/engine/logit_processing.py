@@ -43,9 +43,11 @@ class PenaltyBook:
 
     def needs_init(self, req: Req) -> bool:
         """True once per (request, slot): the device row must be rebuilt for `req`."""
-        if self._owner.get(req.slot) is req:
+        slot = req.slot
+        assert slot is not None  # a request in a batch holds its slot
+        if self._owner.get(slot) is req:
             return False
-        self._owner[req.slot] = req
+        self._owner[slot] = req
         return True
 
 
@@ -61,8 +63,10 @@ def logit_inputs(reqs: Sequence[Req], book: PenaltyBook
         p = req.params
         floats["lx_min_p"].append(p.min_p)
         if p.penalized:
+            slot = req.slot
+            assert slot is not None  # a request in a batch holds its request slot
             ints["lx_pen_rows"].append(i)
-            ints["lx_pen_slots"].append(req.slot)
+            ints["lx_pen_slots"].append(slot)
             floats["lx_freq"].append(p.frequency_penalty)
             floats["lx_pres"].append(p.presence_penalty)
             floats["lx_rep"].append(p.repetition_penalty)
@@ -71,10 +75,10 @@ def logit_inputs(reqs: Sequence[Req], book: PenaltyBook
                 outs = req.prompt_ids[len(req.prompt_ids) - p.resumed_outputs:] \
                     if p.resumed_outputs else []
                 outs = outs + req.output_ids
-                ints["lx_init_slots"].append(req.slot)
-                ints["lx_count_slots"] += [req.slot] * len(outs)
+                ints["lx_init_slots"].append(slot)
+                ints["lx_count_slots"] += [slot] * len(outs)
                 ints["lx_count_toks"] += outs
-                ints["lx_seen_slots"] += [req.slot] * len(req.prompt_ids)
+                ints["lx_seen_slots"] += [slot] * len(req.prompt_ids)
                 ints["lx_seen_toks"] += req.prompt_ids
         # This row samples output number `launched_outputs` (counted at launch).
         if req.launched_outputs + p.resumed_outputs <= p.min_new_tokens:
@@ -102,6 +106,7 @@ class LogitProcessor:
             self.counts = torch.zeros(self.num_slots, vocab, dtype=torch.int32,
                                       device=self.device)
             self.seen = torch.zeros(self.num_slots, vocab, dtype=torch.bool, device=self.device)
+        assert self.seen is not None
         return self.counts, self.seen
 
     def apply(self, logits: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -141,5 +146,6 @@ class LogitProcessor:
         if rows is None or not rows.numel():
             return
         slots = t["lx_pen_slots"]
+        assert self.counts is not None  # apply() ran on these rows first
         self.counts.index_put_((slots, tokens[rows]),
                                torch.ones_like(slots, dtype=torch.int32), accumulate=True)

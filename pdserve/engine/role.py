@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pdserve.engine.batch import Batch
@@ -76,6 +76,27 @@ class RequestKV(Protocol):
         """Block until `req`'s HiCache load (if any) is published as done."""
 
 
+@runtime_checkable
+class TPReplies(Protocol):
+    """The workers' replies about transfers (`engine/tp_driver.py: WorkerReplies`)."""
+
+    def wait_ready(self, timeout: float) -> list[dict]: ...
+    def track(self, room: int) -> None: ...
+    def forget(self, room: int) -> None: ...
+    def states(self, room: int) -> list: ...
+
+
+@runtime_checkable
+class TPWorkers(Protocol):
+    """What a role uses of rank 0's TP handle (`engine/tp_driver.py: TPModel`): an op sent
+    to every worker rank (in order after everything sent before it), and their replies.
+    The PD roles repeat their transfers on the workers with it (pdserve/pd/tp_transfer.py)."""
+
+    replies: TPReplies
+
+    def send_op(self, msg: dict) -> None: ...
+
+
 @dataclass(frozen=True)
 class RoleContext:
     """Everything a role is given of its engine (see the module docstring)."""
@@ -86,7 +107,7 @@ class RoleContext:
     kv_pool: KVPool  # its buffers are what the transfer layer registers
     max_running_requests: int
     tp_size: int = 1  # ranks of this node (docs/architecture.md: Tensor parallelism)
-    tp: Any = None  # rank 0's TPModel when tp_size > 1: the roles repeat transfers on workers
+    tp: TPWorkers | None = None  # rank 0's TPModel when tp_size > 1 (see TPWorkers)
     kv_heads: int = 1  # the model's KV heads (all ranks): how KV is sliced between TP sizes
 
 

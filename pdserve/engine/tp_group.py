@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import struct
-from typing import IO
+from typing import IO, Any
 
 import msgpack
 import torch
@@ -36,20 +36,22 @@ class TPGroup:
     def __init__(self, host: str, port: int, rank: int, size: int, device: torch.device
                  ) -> None:
         self.rank, self.size, self.device = rank, size, device
-        self.store = dist.TCPStore(host, port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT,
-                                   wait_for_workers=False)
-        self.port = self.store.port
-        self.pg = None
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                              wait_for_workers=False)
+        self.store: dist.TCPStore | None = store
+        self.port = store.port
+        self.pg: Any = None  # a gloo or NCCL process group, once connected
 
     def connect(self) -> None:
         """Blocks until every rank has joined."""
+        assert self.store is not None, "connect() after close()"
         store = dist.PrefixStore("tp", self.store)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = COLLECTIVE_TIMEOUT
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
         else:
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = COLLECTIVE_TIMEOUT
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, opts)
@@ -116,7 +118,8 @@ def split_meta(meta) -> tuple[dict[str, torch.Tensor], dict]:
     """An AttnMeta -> (its tensor fields, its plain fields). Generic over the dataclass so
     a field added to AttnMeta travels without touching this file; a callable must be None
     under TP (the HiCache layer wait is refused with --tp-size > 1)."""
-    tensors, plain = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    plain: dict[str, Any] = {}
     for f in dataclasses.fields(meta):
         v = getattr(meta, f.name)
         if isinstance(v, torch.Tensor):

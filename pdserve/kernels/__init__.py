@@ -2,7 +2,7 @@
 
 The extension (cpu_ops.cpp with its bindings; extend_attention.cpp and decode_bf16.cpp, the
 AVX512-BF16 attention kernels; the helpers in vec.h) is compiled once per source, torch
-version, CPU kind and checkout, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache`
+version, compiler, CPU kind and checkout, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache`
 by default; `python -m pdserve.kernels` builds it ahead of time, scripts/setup.sh does).
 It needs a C++ compiler and `ninja`; where either is missing or the build fails,
 `load_cpu_ops()` returns None with the reason in `build_error()`, and the model runs its
@@ -12,10 +12,12 @@ the build happens on the machine that runs it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -39,13 +41,27 @@ def _cpu_flags() -> bytes:
     return "\n".join(keep).encode()
 
 
+@functools.cache
+def _compiler() -> bytes:
+    """The first line of `c++ --version` (the compiler torch's build runs, `$CXX` when set):
+    objects of another compiler version are not reused."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, timeout=30,
+                             check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return b"no compiler"
+    return out.splitlines()[0] if out else b"unknown compiler"
+
+
 def cache_dir() -> Path:
-    """One build folder per source text, torch version, CPU kind and checkout. The checkout
+    """One build folder per source text, torch version, compiler, CPU kind and checkout
+    (its name is the build's id in /server_info: `engine.kernels_build`). The checkout
     counts because torch writes the sources' paths into build.ninja: two checkouts sharing
     a folder would rebuild it in turn, and a process killed mid-build leaves torch's lock
     file behind, on which every later load waits forever."""
     text = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(HERE.glob("*.h"))])
-    key = hashlib.sha256(text + torch.__version__.encode() + _cpu_flags()
+    key = hashlib.sha256(text + torch.__version__.encode() + _compiler() + _cpu_flags()
                          + str(HERE.resolve()).encode()).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(cache) / "pdserve" / "kernels" / key

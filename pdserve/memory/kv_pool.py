@@ -18,6 +18,10 @@ from pdserve.memory.page_allocator import PageAllocator
 
 @dataclass(frozen=True)
 class KVLayout:
+    """The shape of this engine's KV pool. Two other types describe a pool to others:
+    `kv_transfer/args.py: PeerLayout` (what two nodes must agree on before a transfer)
+    and `bootstrap/record.py: KVLayoutRecord` (the registry record's copy)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int

@@ -69,7 +69,9 @@ class Frontend:
                                 "--disaggregation-bootstrap-port PORT (the port given to "
                                 "SGLang's router with --prefill URL PORT)",
                            "bootstrap_unavailable")
-        return replace(leg, bootstrap_host=None, bootstrap_port=None)
+        # Other nodes need no bootstrap address; nothing left: no leg (e.g. n > 1 allowed).
+        rest = replace(leg, bootstrap_host=None, bootstrap_port=None)
+        return None if rest == PDLegFields() else rest
 
     @property
     def context_length(self) -> int:

@@ -84,7 +84,7 @@ class PrefillPeerResolver:
     peers whose KV cannot land in our pool (bootstrap/pairing.py: another TP size is fine
     when both split the same KV heads). The reference is `prefill_node_id` (pdserve's
     router: a registry lookup) or `bootstrap_host` + `bootstrap_port` (SGLang's router: the
-    prefill's bootstrap endpoint, `bootstrap_peer.py`)."""
+    prefill's bootstrap endpoint, `sglang_bootstrap_peer.py`)."""
 
     def __init__(self, client: RegistryClient, me: dict) -> None:
         from pdserve.node.sglang_bootstrap_peer import BootstrapPeers
@@ -112,7 +112,11 @@ class PrefillPeerResolver:
         if (why := pairing_problem(peer, self.me)) is not None:
             raise ApiError(400, f"{label} is incompatible with this decode node: {why} "
                                 "(theirs != ours)")
-        return leg.resolved(peer.get("kv_endpoints") or [peer["kv_endpoint"]])
+        try:
+            return leg.resolved(peer.get("kv_endpoints") or [peer["kv_endpoint"]])
+        except ValueError as exc:  # a record whose endpoints are no host:port strings
+            raise ApiError(503, f"{label} has unusable KV endpoints: {exc}",
+                           "prefill_node_unavailable") from None
 
     async def _from_registry(self, node_id: str) -> dict:
         try:

@@ -19,7 +19,7 @@ from pdserve.tokens import read_token_file
 @dataclass(frozen=True)
 class PDConfig:
     registry_url: str = opt(MISSING, "bootstrap registry URL, e.g. http://127.0.0.1:8998",
-                            flag="--registry", required=True)
+                            flag="--registry", required=True, metavar="URL")
     # --registry-token-file (add_cli_args), when given, replaces it.
     registry_token: str = opt("", "bearer token for registry writes")
     advertise_host: str = opt("", "host (name or IP) other processes reach this node at, put "

@@ -3,7 +3,8 @@
 A router sends the same request to a prefill and a decode node with a few extra body fields
 (`pdserve/http/sglang_body.py: LEG_FIELDS`). The node's HTTP process parses them into this
 dataclass once, right after the body schema checked their types; the decode node then
-resolves where the prefill's KV comes from (`registration.py: LegResolver`), and the
+resolves where the prefill's KV comes from (`pdserve/node/registration.py:
+PrefillPeerResolver`), and the
 scheduler process hands the result to the role. A role reads typed fields and checks only
 what it needs (a prefill needs a room; a decode also needs the prefill's KV endpoints).
 

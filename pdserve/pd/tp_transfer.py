@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Sequence
 
 from kv_transfer import KVPoll, KVTransferConfig, TransferManager
+from pdserve.engine.role import TPWorkers
 from pdserve.pd.metadata import MetadataPool
 from pdserve.pd.sub_rooms import rank_receivers, rank_senders
 from pdserve.pd.transfer_setup import make_kv_manager
@@ -30,7 +31,7 @@ from pdserve.pd.transfer_setup import make_kv_manager
 READY_TIMEOUT_S = 120.0
 
 
-def start_worker_transfers(tp, role: str, cfg: KVTransferConfig, model: str,
+def start_worker_transfers(tp: TPWorkers, role: str, cfg: KVTransferConfig, model: str,
                            meta_rows: int, size: int, kv_heads: int) -> tuple[dict, ...]:
     """Each worker rank registers its own pool with its own TransferManager; returns their
     registry fields (rank 1..N-1). `tp`: the engine's TPModel (rank 0's handle)."""
@@ -65,7 +66,7 @@ def tp_registry_fields(local: dict, model: str, workers: tuple[dict, ...] | None
 
 
 class _TPRoom:
-    def __init__(self, local, tp, room: int) -> None:
+    def __init__(self, local, tp: TPWorkers | None, room: int) -> None:
         """`local`: rank 0's share (SubRooms); `tp`: the TPModel, None on a TP1 node."""
         self.local, self.tp, self.room = local, tp, room
         self._why: str | None = None  # the first rank failure, once seen
@@ -115,7 +116,8 @@ class _TPRoom:
 
 
 class TPSender(_TPRoom):
-    def __init__(self, mgr, room: int, tp, kv_heads: int, size: int, d_size: int) -> None:
+    def __init__(self, mgr, room: int, tp: TPWorkers | None, kv_heads: int, size: int,
+                 d_size: int) -> None:
         """`size` / `d_size`: this prefill node's and the decode node's TP sizes."""
         super().__init__(rank_senders(mgr, room, kv_heads, 0, size, d_size), tp, room)
         self._op("sender_new", d_size=int(d_size))
@@ -142,7 +144,7 @@ class TPSender(_TPRoom):
 
 
 class TPReceiver(_TPRoom):
-    def __init__(self, mgr, room: int, tp, kv_heads: int, size: int,
+    def __init__(self, mgr, room: int, tp: TPWorkers | None, kv_heads: int, size: int,
                  endpoints: Sequence[str]) -> None:
         """`endpoints`: every prefill rank's KV endpoint; `size`: this decode node's TP."""
         super().__init__(rank_receivers(mgr, room, kv_heads, 0, size, endpoints), tp, room)

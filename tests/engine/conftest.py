@@ -8,9 +8,6 @@ import pytest
 import torch
 from engine_helpers import USED, close_all, discard_llm, pool_problems
 
-from pdserve.kernels import build_error, load_cpu_ops
-from pdserve.models.ops import NativeOps
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _engine_session():
@@ -37,10 +34,3 @@ def pools_back_to_full():
     USED.clear()
     assert not failures, f"pools not back to full after the test: {failures}"
 
-
-@pytest.fixture(scope="module")
-def native() -> NativeOps:
-    """The fused CPU kernels (pdserve/kernels), which must build on the test machine."""
-    module = load_cpu_ops()
-    assert module is not None, f"the kernels must build on the test machine: {build_error()}"
-    return NativeOps(module)

@@ -2,7 +2,7 @@
 greedy tokens equal transformers `generate` and the default engine's, with decode rows and
 prompt rows (fresh, chunked, prefix hits, mixed with decode rows) all served by the Triton
 kernels. The interpreter is slow, so the prompts are few and the outputs short; the kernels'
-shapes are covered in test_triton_attention.py."""
+shapes are covered in tests/kernels/test_triton_attention.py."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from pd_procs import Node, Proc, Registry, free_port  # noqa: E402
 
 SGLANG_ROUTER_VERSION = "0.3.2"  # the version this interop is proven with (pyproject test extra)
 MODEL = "tiny-llama"
-KV_FLAGS = ["--kv-heartbeat-interval-s", "0.5", "--kv-heartbeat-misses", "2",
+KV_FLAGS = ["--kv-heartbeat-interval-s", "0.5", "--kv-heartbeat-misses", "4",  # 2 s
             "--kv-transfer-timeout-s", "10", "--kv-bootstrap-timeout-s", "6"]
 PREFILL_FLAGS = ["--max-total-tokens", "8192", "--chunked-prefill-size", "32",
                  "--max-prefill-tokens", "64", "--disaggregation-bootstrap-port", "0",

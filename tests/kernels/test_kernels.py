@@ -146,9 +146,9 @@ def float32_or_native_bf16(native, dtype) -> bool:
 
 
 
-def test_kernel_cache_is_per_checkout_cpu_and_cache_home(monkeypatch, tmp_path):
+def test_kernel_cache_is_per_checkout_cpu_compiler_and_cache_home(monkeypatch, tmp_path):
     """Two checkouts must not share a build folder (torch writes source paths into it and
-    would rebuild it in turn), nor two CPU kinds (-march=native)."""
+    would rebuild it in turn), nor two CPU kinds (-march=native), nor two compilers."""
     import pdserve.kernels as k
 
     here = k.cache_dir()
@@ -159,4 +159,8 @@ def test_kernel_cache_is_per_checkout_cpu_and_cache_home(monkeypatch, tmp_path):
     other = k.cache_dir().name
     assert other != here.name
     monkeypatch.setattr(k, "_cpu_flags", lambda: b"flags: avx2")
-    assert k.cache_dir().name not in (here.name, other)
+    avx2 = k.cache_dir().name
+    assert avx2 not in (here.name, other)
+    assert k._compiler()  # e.g. b"c++ (Debian 12.2.0-14) 12.2.0"
+    monkeypatch.setattr(k, "_compiler", lambda: b"c++ (another) 99.0")
+    assert k.cache_dir().name not in (here.name, other, avx2)

@@ -9,8 +9,9 @@ from typing import Any
 from kvt_harness import DECODE_PAGES, LAYOUT, META_ROWS, Node
 
 BACKENDS = ["mooncake", "tcp"]
-# Short timeouts so fault tests finish fast; heartbeat bound = 0.3 s * 3 = 0.9 s.
-FAST = {"heartbeat_interval_s": 0.3, "heartbeat_misses": 3, "bootstrap_timeout_s": 20.0,
+# Short timeouts so fault tests finish fast; heartbeat bound = 0.5 s * 4 = 2 s: no window
+# under 2 s, so a loaded machine's late heartbeat does not kill a live peer.
+FAST = {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "bootstrap_timeout_s": 20.0,
         "transfer_timeout_s": 20.0, "tick_s": 0.02}
 HEARTBEAT_BOUND_S = FAST["heartbeat_interval_s"] * FAST["heartbeat_misses"]
 

@@ -18,13 +18,13 @@ from kv_transfer.poll import RoomStatus
 from kv_transfer.runs import Entries
 from kv_transfer.worker import TransferJob, TransferWorker
 
-# heartbeat deadline 0.4 s: write lease 0.2 s, margin 0.1 s
-CFG = KVTransferConfig(backend="tcp", heartbeat_interval_s=0.2, heartbeat_misses=2)
+# heartbeat deadline 2 s (no window under 2 s): write lease 1 s, margin 0.5 s
+CFG = KVTransferConfig(backend="tcp", heartbeat_interval_s=0.5, heartbeat_misses=4)
 BOUND_S = 30.0
 
 
 def test_lease_defaults_follow_the_heartbeat_and_can_be_set():
-    assert (CFG.write_lease_s, CFG.write_lease_margin_s) == (0.2, 0.1)
+    assert (CFG.write_lease_s, CFG.write_lease_margin_s) == (1.0, 0.5)
     c = KVTransferConfig(lease_s=3.0, lease_margin_s=1.0)
     assert (c.write_lease_s, c.write_lease_margin_s) == (3.0, 1.0)
 

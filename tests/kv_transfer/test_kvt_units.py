@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kv_transfer.args import KVArgs, KVLayout
+from kv_transfer.args import KVArgs, PeerLayout
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.memory import crc_regions, page_regions
 from kv_transfer.messages import BadMessage, Ping, Request, Status, decode, encode
@@ -93,12 +93,12 @@ def test_config_limits() -> None:
 
 
 def test_layout_mismatch_and_args_validation() -> None:
-    a = KVLayout(16, 30, 3, 64, "torch.bfloat16", "m")
+    a = PeerLayout(16, 30, 3, 64, "torch.bfloat16", "m")
     assert a.dtype == "bfloat16" and a.page_bytes == 16 * 3 * 64 * 2
-    assert a.mismatch(KVLayout(16, 30, 3, 64, "bfloat16", "m")) is None
-    assert a.mismatch(KVLayout(64, 30, 3, 64, "bfloat16", "m")) == (
+    assert a.mismatch(PeerLayout(16, 30, 3, 64, "bfloat16", "m")) is None
+    assert a.mismatch(PeerLayout(64, 30, 3, 64, "bfloat16", "m")) == (
         "incompatible KV layout: page_size 16 != 64")
-    assert "model" in (a.mismatch(KVLayout(16, 30, 3, 64, "bfloat16", "other")) or "")
+    assert "model" in (a.mismatch(PeerLayout(16, 30, 3, 64, "bfloat16", "other")) or "")
     with pytest.raises(ValueError):
         KVArgs(a, (1,) * 30, (1,) * 29, (a.page_bytes,) * 30, a.page_bytes, 1)
     with pytest.raises(ValueError):  # buffers shorter than num_pages pages
@@ -151,7 +151,7 @@ def test_mooncake_env_comes_from_config(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def _ctypes_args(num_pages: int, fill: int) -> tuple[KVArgs, list]:
-    layout = KVLayout(2, 2, 1, 8, "float32", "m")  # 64-byte pages
+    layout = PeerLayout(2, 2, 1, 8, "float32", "m")  # 64-byte pages
     bufs = [ctypes.create_string_buffer(bytes([fill + i]) * (num_pages * 64)) for i in range(4)]
     meta = ctypes.create_string_buffer(8 * 4)
     ptrs = [ctypes.addressof(b) for b in bufs]

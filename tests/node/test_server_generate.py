@@ -146,7 +146,8 @@ def test_duplicate_rid_is_400_and_leaves_the_original_request_alone(server, offl
 
 
 def test_server_info_names_the_loop_and_why(server):
-    """The automatic loop choice is visible: which loop, why, on what device and dtype."""
+    """The automatic loop choice is visible: which loop, why, on what device and dtype, and
+    which kernel build."""
     from pdserve.cpus import usable_cores
 
     eng = server.info()["engine"]
@@ -155,3 +156,7 @@ def test_server_info_names_the_loop_and_why(server):
     spare = usable_cores() > eng["torch_threads"]
     assert eng["loop"] == ("overlap" if spare else "normal")
     assert eng["dtype"] == "float32" and eng["page_size"] >= 1 and eng["torch_threads"] >= 1
+    # The fused kernels' build is named (its cache folder), or None on the torch ops.
+    from pdserve.kernels import cache_dir
+
+    assert eng["kernels_build"] == (cache_dir().name if eng["kernels"] == "native" else None)

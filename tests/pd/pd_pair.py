@@ -109,9 +109,11 @@ _LLMS: dict[str, LLM] = {}
 
 
 def colocated(model: str) -> LLM:
-    """The colocated engine of `model` with its default configuration (built once)."""
+    """The colocated engine of `model` with its default configuration (built once). It
+    loads its own weights: a PD engine that wrote into the shared ones (they are only read,
+    but that is what a reference must not take on trust) would corrupt its reference too."""
     if model not in _LLMS:
-        with _shared_tokenizer():
+        with _shared_tokenizer(share_model=False):
             _LLMS[model] = LLM(model, **MODEL_DEFAULTS.get(model, {}))
     return _LLMS[model]
 

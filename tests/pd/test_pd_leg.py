@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
+from pd_pair import PDCluster, greedy, random_prompt
 
 from pdserve.node import messages as m
 from pdserve.pd.leg import PDLegFields
@@ -42,3 +45,23 @@ def test_resolved_drops_the_bootstrap_address():
 def test_bad_fields_are_refused_by_name(wire: dict, why: str):
     with pytest.raises(ValueError, match=why):
         PDLegFields.from_wire(wire)
+
+
+def test_a_refused_leg_with_a_grammar_leaves_nothing_behind():
+    """A prefill leg without its room is refused even when its grammar has started to
+    compile; the request must not stay in the compile queue, whose next step would hand
+    the prefill role a request it never admitted. A good leg then runs as usual."""
+    cluster = PDCluster("tiny-llama", "tcp", prefills=[{}], decodes=[{}])
+    try:
+        prefill = cluster.prefills[0]
+        bad = greedy(4, regex="([0-9]")  # fails on the compile thread, after the refusal
+        with pytest.raises(ValueError, match="bootstrap_room"):
+            prefill.add_request("no-room", [5, 6, 7], bad)
+        assert not prefill.compiling and "no-room" not in prefill.requests
+        end = time.monotonic() + 2  # time for the orphan compile to fail; steps go on
+        while time.monotonic() < end:
+            cluster.step()
+        cluster.generate([random_prompt(20, seed=4)], greedy(4))
+        cluster.assert_pools_full()
+    finally:
+        cluster.close()

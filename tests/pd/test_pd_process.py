@@ -21,7 +21,7 @@ from pd_pair import BACKENDS, colocated_greedy, random_prompt
 from pd_procs import Node, PDRequest, Registry
 
 MODEL = "tiny-llama"
-KV_FLAGS = ["--kv-heartbeat-interval-s", "0.5", "--kv-heartbeat-misses", "2",
+KV_FLAGS = ["--kv-heartbeat-interval-s", "0.5", "--kv-heartbeat-misses", "4",  # 2 s
             "--kv-transfer-timeout-s", "6", "--kv-bootstrap-timeout-s", "4"]
 # The prefill takes at most 64 prompt tokens per batch, so a long prompt takes many steps.
 PREFILL_FLAGS = ["--max-total-tokens", "8192", "--chunked-prefill-size", "32",

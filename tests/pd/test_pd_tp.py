@@ -111,7 +111,7 @@ def _kill_prefill_rank_mid_transfer(decode_cfg: dict, seed: int, check_decode) -
     forward fails every request it holds."""
     cluster = PDCluster("tiny-llama", "tcp", prefills=[{"tp_size": 2, "chunked_prefill_size": 16}],
                         decodes=[decode_cfg],
-                        transfer={"heartbeat_interval_s": 0.2, "heartbeat_misses": 2})
+                        transfer={"heartbeat_interval_s": 0.5, "heartbeat_misses": 4})
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     try:
         leg = cluster.submit(random_prompt(150, seed=seed), greedy(8))
