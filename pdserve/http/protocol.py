@@ -96,12 +96,18 @@ class GenerateBody(_PlainJson, BootstrapFields, SGLangGenerateFlags):
     top_logprobs_num: NumLogprobs = 0
     logprob_start_len: int = Field(-1, strict=True, ge=-1, lt=I32)
 
-    def validate_input(self) -> None:
-        if (self.text is None) == (self.input_ids is None):
+    def validate_input(self) -> str | list[int]:
+        """Check the fields that depend on each other; the prompt (text or token ids)."""
+        if self.text is not None and self.input_ids is None:
+            prompt: str | list[int] = self.text
+        elif self.input_ids is not None and self.text is None:
+            prompt = self.input_ids
+        else:
             raise ApiError(400, "give exactly one of `text` or `input_ids`")
         self.check_sglang_flags()
         if not self.return_logprob and (self.top_logprobs_num or self.logprob_start_len >= 0):
             raise ApiError(400, "top_logprobs_num and logprob_start_len need return_logprob")
+        return prompt
 
     def logprob_params(self, n_prompt: int) -> dict:
         """SamplingParams logprob fields of this request."""

@@ -84,10 +84,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
-        body.validate_input()
-        prompt = body.text if body.text is not None else body.input_ids
-        assert prompt is not None  # validate_input: one of the two
-        ids = front.encode(prompt)
+        ids = front.encode(body.validate_input())
         sp = body.sampling_params.model_dump()
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
         sp["max_new_tokens"] = fit_max_tokens(

@@ -150,13 +150,11 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
-        body.validate_input()
+        prompt = body.validate_input()
         if body.leg_fields():
             raise ApiError(400, "bootstrap_room, prefill_node_id, bootstrap_host, "
                                 "bootstrap_port and decode_tp_size are set by the router")
         tok = await gw.tokenizer()
-        prompt = body.text if body.text is not None else body.input_ids
-        assert prompt is not None  # validate_input: one of the two
         ids = tok.encode(prompt)
         sp = body.sampling_params.model_dump()
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
