@@ -6,7 +6,7 @@ Used directly by the offline `LLM` and, in a scheduler process, by the node serv
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,7 +70,10 @@ class Engine:
         self.context_length = min(cfg.context_length or self.loaded.context_length,
                                   self.loaded.context_length)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        model, kv_heads, self.tp = self.loaded.model, hf.num_key_value_heads, None
+        # The model the runner calls: this process's CausalLM, or on a TP node rank 0's
+        # TPModel, which runs the same forward on every rank.
+        model: Any = self.loaded.model
+        kv_heads, self.tp = hf.num_key_value_heads, None
         if cfg.tp_size > 1:  # this process is rank 0; this rank's pool holds its KV heads
             self.tp_plan, self.tp = start_tp(cfg, self.loaded)
             model, kv_heads = self.tp, self.tp_plan.local_kv_heads
@@ -103,13 +106,15 @@ class Engine:
                                    self.role)
         self.loop_choice = choose_loop(cfg.requested_loop, self.device)
         log.info("scheduling loop: %s (%s)", self.loop_choice.loop, self.loop_choice.reason)
+        self.executor: ThreadedExecutor | InlineExecutor
+        self.loop: OverlapLoop | NormalLoop
         if self.loop_choice.overlap:
             self.executor = ThreadedExecutor(runner)
             sync = cfg.consecutive_prefill == "sync" and not self.role.overlap_every_prefill
             self.loop = OverlapLoop(self.sched, self.executor, self.out, sync)
         else:
-            self.executor = InlineExecutor(runner)
-            self.loop = NormalLoop(self.sched, self.executor, self.out)
+            inline = InlineExecutor(runner)
+            self.executor, self.loop = inline, NormalLoop(self.sched, inline, self.out)
         self.requests: dict[str, Req] = {}
         self.role.attach(RoleContext(self.sched, self.out, self.kv, self.kv_pool,
                                      cfg.max_running_requests, cfg.tp_size, self.tp,
@@ -157,6 +162,7 @@ class Engine:
         if not cfg.hicache_storage_backend or self.host_pool is None:
             return None
         storage = make_storage(cfg)
+        assert storage is not None  # a backend is named
         path = self.loaded.path
         files = sorted((f.name, f.stat().st_size) for f in path.iterdir() if f.is_file()
                        and f.suffix in (".safetensors", ".bin", ".gguf", ".json"))
@@ -277,9 +283,11 @@ class Engine:
         others may now sample (`Req.grammar_ready`)."""
         still = []
         for req in self.compiling:
-            if not req.grammar.ready:
+            grammar = req.grammar
+            assert grammar is not None  # only requests with a grammar wait here
+            if not grammar.ready:
                 still.append(req)
-            elif (err := req.grammar.error()) is not None and not req.finished:
+            elif (err := grammar.error()) is not None and not req.finished:
                 req.error, req.error_code = err, "invalid_grammar"
                 self.out.finish(req, "error", cache_it=False)
         self.compiling = still
@@ -348,7 +356,7 @@ class Engine:
         if self.hicache is None:
             return {}
         s = self.kv.stats()
-        out = {k: v for k, v in s.items() if k.startswith("host_") or k.endswith(
+        out: dict[str, Any] = {k: v for k, v in s.items() if k.startswith("host_") or k.endswith(
             ("_evictions", "_ops", "_bytes", "_skipped"))}
         out["host_used_pages"] = s["host_total_pages"] - s["host_free_pages"]
         out["backup_seconds"] = self.hicache.stats["backup_seconds"]

@@ -92,7 +92,8 @@ class TPWorkers(Protocol):
     to every worker rank (in order after everything sent before it), and their replies.
     The PD roles repeat their transfers on the workers with it (pdserve/pd/tp_transfer.py)."""
 
-    replies: TPReplies
+    @property
+    def replies(self) -> TPReplies: ...
 
     def send_op(self, msg: dict) -> None: ...
 
