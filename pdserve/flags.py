@@ -5,9 +5,9 @@ module is the one place that turns its fields into argparse flags and back, so a
 its flag cannot drift apart. A field's help text lives in its metadata (`opt(...)`), or in
 a `help` mapping the caller passes; other metadata (`choices`, `required`, `nargs`,
 `metavar`) goes to argparse. A flag is named after its field (`drain_timeout_s` ->
-`--drain-timeout-s`) unless the field's `flag=` (or the caller's `names` mapping, for a
-dataclass that cannot import this module) says otherwise; argparse then stores it under
-the flag's own name, so two configs' fields of one name (`host`) never collide.
+`--drain-timeout-s`) unless its metadata's `flag` says otherwise (`opt(..., flag=)`, or a
+plain `metadata` dict in a package that does not import this module); argparse then stores
+it under the flag's own name, so two configs' fields of one name (`host`) never collide.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _flag(f: Field, names: Mapping[str, str] | None) -> str:
-    return (names or {}).get(f.name) or f.metadata.get("flag") or flag_name(f.name)
+def _flag(f: Field) -> str:
+    return f.metadata.get("flag") or flag_name(f.name)
 
 
-def _dest(f: Field, names: Mapping[str, str] | None) -> str:
-    return _flag(f, names).lstrip("-").replace("-", "_")
+def _dest(f: Field) -> str:
+    return _flag(f).lstrip("-").replace("-", "_")
 
 
 def _kind(f: Field) -> type:
@@ -63,8 +63,8 @@ def _kind(f: Field) -> type:
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, *,
                         defaults: Mapping[str, Any] | None = None, skip: tuple[str, ...] = (),
-                        help: Mapping[str, str] | None = None, show_default: bool = False,
-                        names: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
+                        help: Mapping[str, str] | None = None, show_default: bool = False
+                        ) -> argparse._ArgumentGroup:
     """Register one flag per field of `cls` in a new argument group: booleans as
     store_true (`--x/--no-x` when the default is True), int/float as typed values,
     tuples with `nargs`, anything else as a string. Returns the group (for flags that are
@@ -75,7 +75,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, 
             continue
         text = f.metadata.get("help") or (help or {}).get(f.name, "")
         extra = {k: v for k, v in f.metadata.items() if k not in ("help", "flag")}
-        flag, dest = _flag(f, names), _dest(f, names)
+        flag, dest = _flag(f), _dest(f)
         default = (defaults or {}).get(f.name, f.default)
         if f.type in ("bool", bool):
             action = argparse.BooleanOptionalAction if default is True else "store_true"
@@ -94,15 +94,15 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, 
     return group
 
 
-def values_from(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = (), *,
-                names: Mapping[str, str] | None = None) -> dict[str, Any]:
+def values_from(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()
+                ) -> dict[str, Any]:
     """The parsed value of every field of `cls` (the inverse of add_dataclass_flags);
     `nargs` lists come back as tuples."""
     out: dict[str, Any] = {}
     for f in fields(cls):
         if f.name in skip:
             continue
-        value = getattr(args, _dest(f, names))
+        value = getattr(args, _dest(f))
         if str(f.type).startswith("tuple["):
             value = tuple(value or ())
         out[f.name] = value

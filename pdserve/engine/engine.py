@@ -313,12 +313,13 @@ class Engine:
     # -- introspection ---------------------------------------------------------------------
     def _kernels_build(self) -> str | None:
         """The fused CPU kernels' build id (their cache folder: sources, torch, compiler,
-        CPU flags, checkout); None where the torch reference ops run."""
+        CPU flags, checkout), recorded when they loaded; None where the torch reference
+        ops run."""
         if self.ops_choice.kind != "native":
             return None
-        from pdserve.kernels import cache_dir
+        from pdserve.kernels import build_id
 
-        return cache_dir().name
+        return build_id()
 
     def describe(self) -> dict:
         """What this engine runs, for /server_info and logs."""

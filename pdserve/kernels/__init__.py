@@ -81,6 +81,7 @@ def load_cpu_ops(verbose: bool = False) -> ModuleType | None:
             name=f"pdserve_cpu_ops_{build.name}", sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             build_directory=str(build), verbose=verbose)
+        _state["build"] = build.name
     except Exception as exc:  # compiler, ninja or headers missing: fall back, say why
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip()[-400:]}"
         log.warning("fused CPU kernels unavailable, using torch ops: %s", _state["error"])
@@ -90,6 +91,12 @@ def load_cpu_ops(verbose: bool = False) -> ModuleType | None:
 
 def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
+
+
+def build_id() -> str | None:
+    """The loaded build's id (its cache folder's name, see cache_dir); None before a
+    successful load_cpu_ops()."""
+    return _state.get("build")  # type: ignore[return-value]
 
 
 def main() -> int:

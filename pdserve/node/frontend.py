@@ -7,7 +7,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pdserve.http.detokenizer import IncrementalDetokenizer
 from pdserve.http.errors import ApiError
@@ -70,7 +70,7 @@ class Frontend:
                                 "SGLang's router with --prefill URL PORT)",
                            "bootstrap_unavailable")
         # Other nodes need no bootstrap address; nothing left: no leg (e.g. n > 1 allowed).
-        rest = replace(leg, bootstrap_host=None, bootstrap_port=None)
+        rest = leg.without_bootstrap_address()
         return None if rest == PDLegFields() else rest
 
     @property

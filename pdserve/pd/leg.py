@@ -52,11 +52,16 @@ class PDLegFields:
                 isinstance(e, str) and e for e in self.prefill_kv_endpoints):
             raise ValueError("`prefill_kv_endpoints` must be a tuple of host:port strings")
 
+    def without_bootstrap_address(self) -> PDLegFields:
+        """The leg with SGLang's bootstrap address dropped: it is only a way to find the
+        prefill, which a decode has then found and a prefill is itself."""
+        return replace(self, bootstrap_host=None, bootstrap_port=None)
+
     def resolved(self, endpoints: list[str] | tuple[str, ...]) -> PDLegFields:
         """The decode leg once the prefill is found: its KV endpoints in, the bootstrap
-        address (only a way to find them) out."""
-        return replace(self, prefill_kv_endpoints=tuple(endpoints), bootstrap_host=None,
-                       bootstrap_port=None)
+        address out."""
+        return replace(self.without_bootstrap_address(),
+                       prefill_kv_endpoints=tuple(endpoints))
 
     def to_wire(self) -> dict[str, Any]:
         """The fields that are set, as a msgpack-able map."""
