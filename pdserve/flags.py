@@ -4,7 +4,8 @@ Every process kind's config is a frozen dataclass built once from the command li
 module is the one place that turns its fields into argparse flags and back, so a field and
 its flag cannot drift apart. A field's help text lives in its metadata (`opt(...)`), or in
 a `help` mapping the caller passes; other metadata (`choices`, `required`, `nargs`,
-`metavar`) goes to argparse. A flag is named after its field (`drain_timeout_s` ->
+`metavar`, and `type`: a converter such as `comma_list(float)` that replaces the field's
+scalar type) goes to argparse. A flag is named after its field (`drain_timeout_s` ->
 `--drain-timeout-s`) unless its metadata's `flag` says otherwise (`opt(..., flag=)`, or a
 plain `metadata` dict in a package that does not import this module); argparse then stores
 it under the flag's own name, so two configs' fields of one name (`host`) never collide.
@@ -13,11 +14,12 @@ it under the flag's own name, so two configs' fields of one name (`host`) never 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 _TYPES = {"int": int, "float": float, "str": str}
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -36,6 +38,21 @@ def opt(default: Any, help: str, *, flag: str | None = None, **extra: Any) -> An
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable default: use a tuple")
     return field(default=default, metadata=meta)
+
+
+def comma_list(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    """A flag's converter (`opt(..., type=comma_list(float))`) for a tuple field given as
+    one comma-separated value: "1,2,inf" -> (1.0, 2.0, inf); blank items are skipped."""
+    name = getattr(kind, "__name__", "value")
+
+    def convert(text: str) -> tuple[T, ...]:
+        try:
+            return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {name} values, got {text!r}") from None
+
+    return convert
 
 
 def flag_name(name: str) -> str:
@@ -74,7 +91,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, 
         if f.name in skip:
             continue
         text = f.metadata.get("help") or (help or {}).get(f.name, "")
-        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "flag")}
+        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "flag", "type")}
         flag, dest = _flag(f), _dest(f)
         default = (defaults or {}).get(f.name, f.default)
         if f.type in ("bool", bool):
@@ -89,8 +106,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, 
             default = list(default) if default else None
         if show_default:  # argparse fills it in; a defaults formatter then adds no second
             text = f"{text} (default: %(default)r)"
-        group.add_argument(flag, dest=dest, type=_kind(f), default=default, help=text,
-                           **extra)
+        group.add_argument(flag, dest=dest, type=f.metadata.get("type") or _kind(f),
+                           default=default, help=text, **extra)
     return group
 
 

@@ -1,7 +1,8 @@
 """The frozen configuration of one `pdserve bench` invocation, built once from the CLI.
 
-Every field is one flag (`--random-input-len` -> `random_input_len`). Validation lives
-here so a bad flag fails before any request is sent, with a message naming the flag.
+Every field is one flag (`--random-input-len` -> `random_input_len`, pdserve/flags.py):
+its default and help text live in the field, its checks in `__post_init__`, so a bad flag
+fails before any request is sent, with a message naming the flag.
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pdserve.flags import ConfigError
+from pdserve.flags import ConfigError, add_dataclass_flags, comma_list, opt, values_from
 
 BACKENDS = ("generate", "openai", "openai-chat")
 DATASETS = ("random", "sharegpt", "shared-prefix")
@@ -24,43 +25,88 @@ ENDPOINTS = {
     "openai": "/v1/completions",
     "openai-chat": "/v1/chat/completions",
 }
+# `pdserve bench --help` sections; every field is in exactly one.
+FLAG_GROUPS = {
+    "target": ("base_url", "backend", "endpoint", "model", "tokenizer", "request_timeout"),
+    "dataset": ("dataset_name", "dataset_path", "num_prompts", "random_input_len",
+                "random_output_len", "random_range_ratio", "sharegpt_output_len",
+                "gsp_num_groups", "gsp_system_prompt_len", "gsp_question_len",
+                "gsp_output_len"),
+    "load": ("request_rate", "burstiness", "max_concurrency", "sweep_rates", "seed",
+             "warmup_requests", "ignore_eos", "temperature", "json_schema"),
+    "results": ("goodput", "percentiles", "output_file", "label", "plot", "save_detailed",
+                "disable_tqdm"),
+}
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    base_url: str = "http://127.0.0.1:30000"
-    backend: str = "generate"
-    endpoint: str = ""  # empty: ENDPOINTS[backend]
-    model: str = ""  # empty: the first id from GET /v1/models
-    tokenizer: str = ""  # empty: try the served model name (a built-in or a local folder)
-    dataset_name: str = "random"
-    dataset_path: str = ""
-    num_prompts: int = 1000
-    random_input_len: int = 1024
-    random_output_len: int = 128
-    random_range_ratio: float = 0.0
-    sharegpt_output_len: int = 0  # 0: the length of the reference completion
-    gsp_num_groups: int = 64
-    gsp_system_prompt_len: int = 2048
-    gsp_question_len: int = 128
-    gsp_output_len: int = 256
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    max_concurrency: int = 0  # 0: unbounded
-    seed: int = 0
-    ignore_eos: bool = True
-    temperature: float = 0.0
-    json_schema: str = ""  # a JSON schema file every request's output must follow
-    warmup_requests: int = 1
-    goodput: dict[str, float] = field(default_factory=dict)  # SLO name -> milliseconds
-    percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
-    output_file: str = ""
-    label: str = ""  # empty: the backend name
-    plot: str = ""
-    sweep_rates: tuple[float, ...] = ()
-    request_timeout: float = 600.0
-    save_detailed: bool = False
-    disable_tqdm: bool = False
+    # target
+    base_url: str = opt("http://127.0.0.1:30000", "server to load (node or router)")
+    backend: str = opt("generate", "generate: POST /generate (token ids); openai: "
+                       "/v1/completions; openai-chat: /v1/chat/completions", choices=BACKENDS)
+    endpoint: str = opt("", "override the backend's URL path")  # empty: ENDPOINTS[backend]
+    model: str = opt("", "model name sent to OpenAI endpoints (default: first of /v1/models)")
+    tokenizer: str = opt("", "local HF folder or built-in model name (default: the served "
+                         "model when it is a local folder or a cached built-in)")
+    request_timeout: float = opt(600.0, "seconds before one request counts as failed")
+    # dataset
+    dataset_name: str = opt("random", "random token ids, ShareGPT conversations, or "
+                            "shared-prefix groups", choices=DATASETS)
+    dataset_path: str = opt("", "ShareGPT-format JSON (a list of {conversations: [{from, "
+                            "value}...]})")
+    num_prompts: int = opt(1000, "requests per run (all datasets)")
+    random_input_len: int = opt(1024, "random: mean prompt tokens")
+    random_output_len: int = opt(128, "random: mean output tokens")
+    random_range_ratio: float = opt(0.0, "lengths uniform in [L*(1-r), L*(1+r)] (as vLLM)")
+    sharegpt_output_len: int = opt(0, "fixed output length for ShareGPT (0: the reference "
+                                   "reply's length)")
+    gsp_num_groups: int = opt(64, "shared-prefix: groups; prompt i joins group i %% groups")
+    gsp_system_prompt_len: int = opt(2048, "shared-prefix: tokens of each group's shared "
+                                     "prefix")
+    gsp_question_len: int = opt(128, "shared-prefix: tokens of each prompt's own suffix")
+    gsp_output_len: int = opt(256, "shared-prefix: output tokens per request")
+    # load
+    request_rate: float = opt(math.inf, "requests/s ('inf': all at once)")
+    burstiness: float = opt(1.0, "gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier")
+    max_concurrency: int = opt(0, "most requests in flight (0: unbounded)")
+    sweep_rates: tuple[float, ...] = opt((), "comma-separated rates, one run each (overrides "
+                                         "--request-rate)", type=comma_list(float))
+    seed: int = opt(0, "seeds prompts and arrivals")
+    warmup_requests: int = opt(1, "untimed requests sent before the runs")
+    ignore_eos: bool = opt(True, "generate exactly the requested output length")
+    temperature: float = opt(0.0, "0: greedy")
+    json_schema: str = opt("", "constrain every output to this JSON schema (structured "
+                           "output: response_format, or sampling_params.json_schema on "
+                           "/generate)", metavar="FILE")
+    # results
+    goodput: tuple[str, ...] = opt((), "SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000",
+                                   nargs="+", metavar="NAME:MS")
+    percentiles: tuple[float, ...] = opt((50.0, 90.0, 99.0), "percentiles to report",
+                                         type=comma_list(float))
+    output_file: str = opt("", "append one JSON line per run to this file")
+    label: str = opt("", "name of this configuration (default: the backend); plots draw one "
+                     "curve per label")
+    plot: str = opt("", "write F.png (TTFT vs TPOT over the runs) and F_cdf.png (CDFs)",
+                    metavar="F.png")
+    save_detailed: bool = opt(False, "also store per-request ITLs, start times and generated "
+                              "texts")
+    disable_tqdm: bool = opt(False, "no progress bar")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        """One argument group per FLAG_GROUPS entry, one flag per field."""
+        names = [f.name for f in fields(BenchConfig)]
+        for title, group in FLAG_GROUPS.items():
+            add_dataclass_flags(p, BenchConfig, title,
+                                skip=tuple(n for n in names if n not in group))
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> BenchConfig:
+        return cls(**values_from(cls, args))
 
     @property
     def url(self) -> str:
@@ -77,30 +123,38 @@ class BenchConfig:
     def with_rate(self, rate: float) -> BenchConfig:
         return replace(self, request_rate=rate)
 
+    def slos_ms(self) -> dict[str, float]:
+        """`--goodput ttft:200 tpot:50` -> {"ttft": 200.0, "tpot": 50.0} (milliseconds)."""
+        slos: dict[str, float] = {}
+        for item in self.goodput:
+            key, sep, value = item.partition(":")
+            if not sep or key not in SLO_KEYS:
+                raise ConfigError(f"--goodput {item!r}: expected NAME:MS with NAME in "
+                                  f"{', '.join(SLO_KEYS)}")
+            try:
+                slos[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"--goodput {item!r}: {value!r} is not a number") from None
+            if not 0 < slos[key] < math.inf:  # also rejects nan
+                raise ConfigError(f"--goodput {item!r}: the SLO must be > 0 ms (and finite)")
+        return slos
+
     def as_record(self) -> dict:
-        """The run's arguments as JSON-safe values (inf becomes "inf", as vLLM writes it)."""
-        out = {}
+        """The run's arguments as JSON-safe values (inf becomes "inf", as vLLM writes it;
+        goodput is the {NAME: ms} mapping)."""
+        out: dict = {}
         for key, value in asdict(self).items():
-            if isinstance(value, float) and math.isinf(value):
+            if key == "goodput":
+                value = self.slos_ms()
+            elif isinstance(value, float) and math.isinf(value):
                 value = "inf"
             elif isinstance(value, tuple):
                 value = ["inf" if math.isinf(v) else v for v in value]
             out[key] = value
         return out
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in vars(args).items() if k in names and v is not None}
-        values["goodput"] = parse_goodput(args.goodput or [])
-        values["percentiles"] = parse_percentiles(args.percentiles)
-        values["sweep_rates"] = parse_rates(args.sweep_rates or "")
-        values["request_rate"] = parse_rate(str(args.request_rate), "--request-rate")
-        cfg = cls(**values)
-        cfg.validate()
-        return cfg
-
     def validate(self) -> None:
+        """The checks `__post_init__` runs (a config that exists has passed them)."""
         for check in (self._check_target, self._check_dataset, self._check_load,
                       self._check_outputs):
             check()
@@ -113,7 +167,7 @@ class BenchConfig:
             raise ConfigError(f"--backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.endpoint and not self.endpoint.startswith("/"):
             raise ConfigError(f"--endpoint {self.endpoint!r}: must start with '/'")
-        if self.request_timeout <= 0:
+        if not self.request_timeout > 0:
             raise ConfigError("--request-timeout must be > 0")
 
     def _check_dataset(self) -> None:
@@ -141,13 +195,18 @@ class BenchConfig:
             raise ConfigError("--sharegpt-output-len must be >= 0")
 
     def _check_load(self) -> None:
-        if self.burstiness <= 0:
+        if not self.request_rate > 0:  # also rejects nan
+            raise ConfigError(f"--request-rate must be > 0 (got {self.request_rate:g})")
+        for rate in self.sweep_rates:
+            if not rate > 0:
+                raise ConfigError(f"--sweep-rates: every rate must be > 0 (got {rate:g})")
+        if not self.burstiness > 0:
             raise ConfigError(f"--burstiness must be > 0 (got {self.burstiness})")
         if self.max_concurrency < 0:
             raise ConfigError("--max-concurrency must be >= 1 (or 0 for unbounded)")
         if self.warmup_requests < 0:
             raise ConfigError("--warmup-requests must be >= 0")
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise ConfigError("--temperature must be >= 0")
         if self.json_schema:
             self.schema_text()
@@ -162,52 +221,11 @@ class BenchConfig:
             raise ConfigError(f"--json-schema {self.json_schema!r}: {exc}") from None
 
     def _check_outputs(self) -> None:
+        self.slos_ms()
+        if not self.percentiles:
+            raise ConfigError("--percentiles: give at least one, e.g. 50,90,99")
+        for p in self.percentiles:
+            if not 0 < p <= 100:
+                raise ConfigError(f"--percentiles: {p:g} is not in (0, 100]")
         if self.plot and not self.plot.lower().endswith(".png"):
             raise ConfigError(f"--plot {self.plot!r}: expected a FILE.png path")
-
-
-def parse_rate(text: str, flag: str) -> float:
-    try:
-        rate = float(text)
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected a number of requests/s or 'inf'") from None
-    if not rate > 0:  # also rejects nan
-        raise ConfigError(f"{flag} must be > 0 (got {text})")
-    return rate
-
-
-def parse_rates(text: str) -> tuple[float, ...]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    return tuple(parse_rate(p, "--sweep-rates") for p in parts)
-
-
-def parse_percentiles(text: str | None) -> tuple[float, ...]:
-    if not text:
-        return BenchConfig.percentiles
-    out = []
-    for part in text.split(","):
-        try:
-            value = float(part)
-        except ValueError:
-            raise ConfigError(f"--percentiles {text!r}: expected numbers like 50,90,99") from None
-        if not 0 < value <= 100:
-            raise ConfigError(f"--percentiles: {part} is not in (0, 100]")
-        out.append(value)
-    return tuple(out)
-
-
-def parse_goodput(items: list[str]) -> dict[str, float]:
-    """`["ttft:200", "tpot:50"]` -> {"ttft": 200.0, "tpot": 50.0} (milliseconds)."""
-    slos: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or key not in SLO_KEYS:
-            raise ConfigError(f"--goodput {item!r}: expected NAME:MS with NAME in "
-                              f"{', '.join(SLO_KEYS)}")
-        try:
-            slos[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"--goodput {item!r}: {value!r} is not a number") from None
-        if slos[key] <= 0:
-            raise ConfigError(f"--goodput {item!r}: the SLO must be > 0 ms")
-    return slos

@@ -63,7 +63,7 @@ def result_row(out: RunOutcome) -> dict:
         "burstiness": cfg.burstiness,
         "max_concurrency": cfg.max_concurrency or None,
     }
-    row.update(summarize(out.results, out.duration, cfg.percentiles, cfg.goodput))
+    row.update(summarize(out.results, out.duration, cfg.percentiles, cfg.slos_ms()))
     for key, value in cfg.as_record().items():  # the run's arguments
         row.setdefault(key, value)
     row.update(out.server)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.loadtest.config import BenchConfig
+from pdserve.loadtest.config import FLAG_GROUPS, BenchConfig
 
 FLAGS = ("--base-url", "--backend", "--dataset-name", "--dataset-path", "--num-prompts",
          "--random-input-len", "--random-output-len", "--random-range-ratio",
@@ -22,7 +22,7 @@ FLAGS = ("--base-url", "--backend", "--dataset-name", "--dataset-path", "--num-p
 
 
 def parse(*argv: str) -> BenchConfig:
-    return BenchConfig.from_args(build_parser().parse_args(["bench", *argv]))
+    return BenchConfig.from_cli(build_parser().parse_args(["bench", *argv]))
 
 
 def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,6 +39,17 @@ def test_every_config_field_has_a_flag() -> None:
 
     for f in fields(BenchConfig):
         assert "--" + f.name.replace("_", "-") in FLAGS, f.name
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in fields(BenchConfig))
+
+
+def test_help_shows_the_config_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: http://127.0.0.1:30000)", "(default: inf)",
+                  "(default: 50,90,99)", "(0: unbounded) (default: 0)", "(default: 1000)"):
+        assert shown in out, shown
 
 
 def test_flags_map_onto_the_config() -> None:
@@ -47,14 +58,16 @@ def test_flags_map_onto_the_config() -> None:
                 "--sweep-rates", "1,2,inf", "--no-ignore-eos", "--max-concurrency", "4",
                 "--label", "pd")
     assert cfg.backend == "openai-chat" and cfg.request_rate == 8.0 and cfg.burstiness == 0.5
-    assert cfg.goodput == {"ttft": 500.0, "tpot": 50.0}
+    assert cfg.slos_ms() == {"ttft": 500.0, "tpot": 50.0}
     assert cfg.percentiles == (50.0, 99.9)
     assert cfg.sweep_rates == (1.0, 2.0, float("inf")) and cfg.rates() == cfg.sweep_rates
     assert cfg.ignore_eos is False and cfg.max_concurrency == 4 and cfg.run_label == "pd"
     assert cfg.url == "http://127.0.0.1:30000/v1/chat/completions"
     defaults = parse()
+    assert defaults == BenchConfig()  # one set of defaults: the dataclass's
     assert defaults.request_rate == float("inf") and defaults.ignore_eos is True
     assert defaults.rates() == (float("inf"),) and defaults.max_concurrency == 0
+    assert defaults.percentiles == (50.0, 90.0, 99.0) and defaults.slos_ms() == {}
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -66,6 +79,11 @@ def test_flags_map_onto_the_config() -> None:
     (["--goodput", "ttft:-1"], "> 0 ms"),
     (["--percentiles", "50,101"], "--percentiles"),
     (["--sweep-rates", "1,x"], "--sweep-rates"),
+    (["--sweep-rates", "1,0"], "--sweep-rates"),
+    (["--percentiles", "50,x"], "--percentiles"),
+    (["--percentiles", ","], "--percentiles"),
+    (["--goodput", "ttft:inf"], "--goodput"),
+    (["--num-prompts", "many"], "--num-prompts"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--random-range-ratio", "1.0"], "--random-range-ratio"),
     (["--dataset-name", "sharegpt"], "--dataset-path"),
@@ -76,7 +94,12 @@ def test_flags_map_onto_the_config() -> None:
 ])
 def test_bad_input_is_a_clear_error(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", *argv]) == 2
+    # A value argparse cannot convert exits from parse_args; a ConfigError, from run().
+    try:
+        code = main(["bench", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert "pdserve bench: error:" in err and message in err
 
@@ -106,3 +129,23 @@ def test_loadtest_never_imports_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_flags_type_metadata_converts_a_comma_list() -> None:
+    # pdserve/flags.py: `opt(..., type=comma_list(float))`, shared by every CLI.
+    import argparse
+    from dataclasses import dataclass
+
+    from pdserve.flags import add_dataclass_flags, comma_list, opt, values_from
+
+    @dataclass(frozen=True)
+    class Toy:
+        rates: tuple[float, ...] = opt((1.0, 2.0), "rates", type=comma_list(float))
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_dataclass_flags(p, Toy, "toy")
+    assert Toy(**values_from(Toy, p.parse_args([]))) == Toy()
+    assert values_from(Toy, p.parse_args(["--rates", "3, inf,"])) == {
+        "rates": (3.0, float("inf"))}
+    with pytest.raises(argparse.ArgumentError, match="comma-separated float"):
+        p.parse_args(["--rates", "1,x"])

@@ -29,7 +29,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def outcome(rate: float = math.inf, label: str = "", scale: float = 1.0,
             detailed: bool = False) -> RunOutcome:
-    cfg = BenchConfig(request_rate=rate, label=label, goodput={"ttft": 150.0},
+    cfg = BenchConfig(request_rate=rate, label=label, goodput=("ttft:150",),
                       percentiles=(50.0, 99.0), save_detailed=detailed)
     results = [
         RequestResult(True, 10, 5, start=0.0, ttft=0.1 * scale, e2el=0.5 * scale,
