@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from pdserve.cache.hicache_controller import HiCacheController
 from pdserve.cache.kv_storage import PageStore
-from pdserve.cache.radix_cache import Node, RadixCache, _clock
+from pdserve.cache.radix_cache import Node, RadixTree, _clock
 from pdserve.memory.page_allocator import PageAllocator
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -34,7 +34,8 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 class HiNode(Node):
     __slots__ = ("host", "hits", "load_op")
 
-    def __init__(self, key=(), pages=None, parent=None) -> None:
+    def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None,
+                 parent: HiNode | None = None) -> None:
         super().__init__(key, pages, parent)
         self.host: list[int] | None = None
         self.hits = 0
@@ -43,27 +44,25 @@ class HiNode(Node):
 
 class Match(NamedTuple):
     device_pages: list[int]
-    device_node: Node  # deepest node whose pages are on the device
+    device_node: HiNode  # deepest node whose pages are on the device
     host_pages: int  # pages past it found only on the host
     host_node: HiNode  # deepest matched node (== device_node when host_pages == 0)
     loading: range  # indices into device_pages a load (another request's) still writes
     load_op: int  # newest such load (0: none)
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(RadixTree[HiNode]):
     def __init__(self, page_size: int, free_pages: Callable[[list[int]], None],
                  host_alloc: PageAllocator, ctrl: HiCacheController, policy: str,
                  load_threshold_pages: int = 1, store: PageStore | None = None) -> None:
-        super().__init__(page_size, free_pages)
+        super().__init__(page_size, free_pages, HiNode())
         if policy not in POLICIES:
             raise ValueError(f"hicache write policy must be one of {POLICIES}, got {policy!r}")
-        self.root = HiNode()
-        self.root.lock_ref = 1
         self.host_alloc, self.ctrl, self.policy = host_alloc, ctrl, policy
         self.store = store  # the storage tier under the host tier (None: off)
         self.load_threshold_pages = load_threshold_pages
         self.host_total_pages = 0
-        self._pending: dict[int, Node] = {}  # op id -> node locked until its copy is acked
+        self._pending: dict[int, HiNode] = {}  # op id -> node locked until its copy is acked
         self.stats = {"host_hit_tokens": 0, "device_evictions": 0, "host_evictions": 0,
                       "backups_skipped": 0, "storage_hit_tokens": 0}
 
@@ -74,7 +73,8 @@ class HiRadixCache(RadixCache):
     def match(self, tokens: list[int], count: bool = True) -> Match:
         ps = self.page_size
         usable = len(tokens) // ps * ps
-        node, pages, pos, host_n = self.root, [], 0, 0
+        node, pos, host_n = self.root, 0, 0
+        pages: list[int] = []
         dev_node, load_from, load_op = node, -1, 0
         node.last_access = next(_clock)
         while pos < usable:
@@ -106,11 +106,11 @@ class HiRadixCache(RadixCache):
         loading = range(load_from, len(pages)) if load_from >= 0 else range(0)
         return Match(pages, dev_node, host_n, node, loading, load_op)
 
-    def match_prefix(self, tokens: list[int], count: bool = True) -> tuple[list[int], Node]:
+    def match_prefix(self, tokens: list[int], count: bool = True) -> tuple[list[int], HiNode]:
         m = self.match(tokens, count)
         return m.device_pages, m.device_node
 
-    def _split(self, child: Node, n_pages: int) -> Node:
+    def _split(self, child: HiNode, n_pages: int) -> HiNode:
         """Split `child` after n_pages (device and host pages alike); return the upper
         node. It inherits the lock count: path locks held below still cover it."""
         cut = n_pages * self.page_size
@@ -132,7 +132,8 @@ class HiRadixCache(RadixCache):
         of those. Host-only nodes on the path take the caller's pages back."""
         ps = self.page_size
         assert len(tokens) == len(pages) * ps, "insert takes whole pages"
-        node, pos, dups = self.root, 0, []
+        node, pos = self.root, 0
+        dups: list[int] = []
         while pos < len(tokens):
             i = pos // ps
             child = node.children.get(tuple(tokens[pos:pos + ps]))
@@ -157,14 +158,14 @@ class HiRadixCache(RadixCache):
     def insert(self, tokens: list[int], pages: list[int]) -> int:
         raise NotImplementedError("HiRadixCache: use insert_dups (positions are not a prefix)")
 
-    def _set_device(self, node: Node, pages: list[int]) -> None:
+    def _set_device(self, node: HiNode, pages: list[int]) -> None:
         node.pages = pages
         self.total_pages += len(pages)
         if node.lock_ref > 0:
             self.locked_pages += len(pages)
 
     # -- copies ------------------------------------------------------------------------
-    def backup(self, node: Node) -> int:
+    def backup(self, node: HiNode) -> int:
         """Back up `node` and every ancestor without a host copy (one copy, top-down).
         Returns the op id, or 0 when nothing was needed or the host tier is full."""
         path = []
@@ -219,10 +220,12 @@ class HiRadixCache(RadixCache):
         if dev is None:
             self.unlock(m.host_node)
             return None
-        host, off = [], 0
+        host: list[int] = []
+        off = 0
         for n in path:
             k = self._npages(n)
             self._set_device(n, dev[off:off + k])
+            assert n.host is not None, "a host-only node without a host copy"
             host.extend(n.host)
             off += k
         op = self.ctrl.load(host, dev)
@@ -248,7 +251,7 @@ class HiRadixCache(RadixCache):
                 self.unlock(node)
 
     # -- eviction ------------------------------------------------------------------------
-    def _device_leaf(self, n: Node) -> bool:
+    def _device_leaf(self, n: HiNode) -> bool:
         return (n is not self.root and bool(n.pages) and n.lock_ref == 0
                 and not any(c.pages for c in n.children.values()))
 
@@ -274,7 +277,7 @@ class HiRadixCache(RadixCache):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def _evict_device(self, leaf: Node) -> int:
+    def _evict_device(self, leaf: HiNode) -> int:
         n = len(leaf.pages)
         self._free_pages(leaf.pages)
         self.total_pages -= n
@@ -288,7 +291,7 @@ class HiRadixCache(RadixCache):
 
     def evict_host(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages from unlocked host-only leaves, LRU first."""
-        def ok(n: Node) -> bool:
+        def ok(n: HiNode) -> bool:
             return (n is not self.root and n.host is not None and not n.pages
                     and not n.children and n.lock_ref == 0)
         heap = [(n.last_access, id(n), n) for n in self._all() if ok(n)]
@@ -296,9 +299,11 @@ class HiRadixCache(RadixCache):
         freed = 0
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
-            self.host_alloc.free(leaf.host)
-            freed += len(leaf.host)
-            self.host_total_pages -= len(leaf.host)
+            host = leaf.host
+            assert host is not None  # ok() admits only nodes with a host copy
+            self.host_alloc.free(host)
+            freed += len(host)
+            self.host_total_pages -= len(host)
             self.stats["host_evictions"] += 1
             parent = leaf.parent
             del parent.children[self._first(leaf.key)]
@@ -330,7 +335,7 @@ class HiRadixCache(RadixCache):
             self.policy = policy
         self.evict_host(self.host_total_pages)
 
-    def _all(self) -> list[Node]:
+    def _all(self) -> list[HiNode]:
         out, stack = [], [self.root]
         while stack:
             n = stack.pop()

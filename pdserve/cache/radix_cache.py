@@ -7,13 +7,18 @@ first page of tokens, so a lookup compares whole pages.
 Ownership: a page inside the tree belongs to the tree. A request that matched a prefix
 locks the path (`lock_ref`), which keeps those pages from eviction while it reads them.
 Only unlocked leaves are evicted, least recently used first.
+
+`RadixTree` is generic over its node class so that a subclass with richer nodes
+(`HiRadixCache`, `HiNode`) reads its own node fields without casts; `RadixCache` is the
+plain tree over `Node`.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Generic, Self, TypeVar
 
 _clock = itertools.count()
 
@@ -21,22 +26,29 @@ _clock = itertools.count()
 class Node:
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
 
+    # `Self`: a tree holds one node class, so a subclass's children and parent are of it.
     def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None,
-                 parent: Node | None = None) -> None:
+                 parent: Self | None = None) -> None:
         self.key = key
         self.pages = pages or []
-        self.children: dict[tuple[int, ...], Node] = {}
+        self.children: dict[tuple[int, ...], Self] = {}
         # The root is its own parent: upward walks stop at the root, never at None.
-        self.parent: Node = parent if parent is not None else self
+        self.parent: Self = parent if parent is not None else self
         self.lock_ref = 0
         self.last_access = next(_clock)
 
 
-class RadixCache:
-    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+N = TypeVar("N", bound=Node)
+
+
+class RadixTree(Generic[N]):
+    """The tree over nodes of the root's class: new nodes are made with `type(node)`."""
+
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None],
+                 root: N) -> None:
         self.page_size = page_size
         self._free_pages = free_pages
-        self.root = Node()
+        self.root = root
         self.root.lock_ref = 1  # the root is never evicted
         self.total_pages = 0
         self.locked_pages = 0
@@ -47,10 +59,10 @@ class RadixCache:
     def evictable_pages(self) -> int:
         return self.total_pages - self.locked_pages
 
-    def _first(self, key) -> tuple[int, ...]:
+    def _first(self, key: Sequence[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])
 
-    def match_prefix(self, tokens: list[int], count: bool = True) -> tuple[list[int], Node]:
+    def match_prefix(self, tokens: list[int], count: bool = True) -> tuple[list[int], N]:
         """Longest cached page-aligned prefix of `tokens`: (its pages, the deepest node).
         `count=False` is a peek (scheduling policy) that leaves the hit-rate stats alone."""
         ps = self.page_size
@@ -81,10 +93,10 @@ class RadixCache:
             n += 1
         return n
 
-    def _split(self, child: Node, n_pages: int) -> Node:
+    def _split(self, child: N, n_pages: int) -> N:
         """Split `child` after n_pages; return the new upper node."""
         cut = n_pages * self.page_size
-        upper = Node(child.key[:cut], child.pages[:n_pages], child.parent)
+        upper = type(child)(child.key[:cut], child.pages[:n_pages], child.parent)
         upper.lock_ref = child.lock_ref
         upper.children = {self._first(child.key[cut:]): child}
         child.parent.children[self._first(upper.key)] = upper
@@ -100,7 +112,7 @@ class RadixCache:
         while pos < len(tokens):
             child = node.children.get(tuple(tokens[pos:pos + ps]))
             if child is None:
-                new = Node(tuple(tokens[pos:]), list(pages[pos // ps:]), node)
+                new = type(node)(tuple(tokens[pos:]), list(pages[pos // ps:]), node)
                 node.children[self._first(new.key)] = new
                 self.total_pages += len(new.pages)
                 return pos // ps
@@ -111,6 +123,8 @@ class RadixCache:
             node, pos = child, pos + n * ps
         return len(pages)
 
+    # lock/unlock take any Node: the walk reads only Node fields, and a caller holding a
+    # node of either tree (KVManager) need not know its class.
     def lock(self, node: Node) -> None:
         while node is not self.root:
             if node.lock_ref == 0:
@@ -147,7 +161,7 @@ class RadixCache:
         """Drop every unlocked page (tests use this to check the pool is back to full)."""
         self.evict(self.total_pages)
 
-    def _leaves(self) -> list[Node]:
+    def _leaves(self) -> list[N]:
         out, stack = [], [self.root]
         while stack:
             n = stack.pop()
@@ -156,3 +170,8 @@ class RadixCache:
             elif n is not self.root:
                 out.append(n)
         return out
+
+
+class RadixCache(RadixTree[Node]):
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+        super().__init__(page_size, free_pages, Node())

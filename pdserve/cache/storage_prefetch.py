@@ -35,7 +35,6 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.cache.hiradix_cache import HiNode, HiRadixCache
-from pdserve.cache.radix_cache import Node
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class Prefetch:
     __slots__ = ("node", "start", "tokens", "keys", "host", "future", "stage", "pages",
                  "t0", "timed_out")
 
-    def __init__(self, node: Node, start: int, tokens: list[int], keys: list[str],
+    def __init__(self, node: HiNode, start: int, tokens: list[int], keys: list[str],
                  future: Future) -> None:
         self.node, self.start, self.tokens, self.keys = node, start, tokens, keys
         self.host: list[int] = []

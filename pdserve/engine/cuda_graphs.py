@@ -65,7 +65,8 @@ def bucket(n: int, buckets: list[int]) -> int | None:
 class GraphState:
     enabled: bool
     reason: str
-    graphs: dict[tuple[int, int], object] = field(default_factory=dict)  # key -> CUDAGraph
+    # key -> its graph; None for every key when capture=False (eager static forwards)
+    graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = field(default_factory=dict)
     replays: int = 0
 
 
@@ -79,15 +80,15 @@ class DecodeGraphs:
         self.rows = row_buckets(max_rows)
         self.pages = page_buckets(max_pages)
         r, p = self.rows[-1], self.pages[-1]
-        z = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(r, **z)
-        self.positions = torch.zeros(r, **z)
-        self.out_cache_loc = torch.zeros(r, **z)
-        self.kv_pages = torch.zeros(r, p, **z)
-        self.logit_rows = torch.arange(r, **z)
+        i64 = torch.int64
+        self.input_ids = torch.zeros(r, dtype=i64, device=device)
+        self.positions = torch.zeros(r, dtype=i64, device=device)
+        self.out_cache_loc = torch.zeros(r, dtype=i64, device=device)
+        self.kv_pages = torch.zeros(r, p, dtype=i64, device=device)
+        self.logit_rows = torch.arange(r, dtype=i64, device=device)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.state = GraphState(False, "not captured")
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # the graphs' shared memory pool
 
     # -- start-up -------------------------------------------------------------------------
     def capture_all(self) -> GraphState:
@@ -118,7 +119,7 @@ class DecodeGraphs:
         self.out_cache_loc.fill_(page * ps)
         self.kv_pages.fill_(page)
 
-    def _record(self, rows: int, pages: int):
+    def _record(self, rows: int, pages: int) -> torch.cuda.CUDAGraph | None:
         if not self.capture:
             return None
         stream = torch.cuda.Stream(self.device)
@@ -138,7 +139,7 @@ class DecodeGraphs:
         if not self.capture:
             return
         key = (self.rows[0], self.pages[0])
-        self.state.graphs[key].replay()
+        self._replay(key)
         replayed = self.outputs[key].clone()
         eager = self._forward(*key)
         if not torch.allclose(replayed, eager, rtol=1e-3, atol=1e-3):
@@ -172,9 +173,14 @@ class DecodeGraphs:
         _pad_copy(self.kv_pages[:, :kv.shape[1]], kv, rows)
         self.state.replays += 1
         if self.capture:
-            self.state.graphs[key].replay()
+            self._replay(key)
             return self.outputs[key][:n]
         return self._forward(rows, pages)[:n]
+
+    def _replay(self, key: tuple[int, int]) -> None:
+        graph = self.state.graphs[key]
+        assert graph is not None, "replay of an uncaptured bucket"  # only when self.capture
+        graph.replay()
 
     def _forward(self, rows: int, pages: int) -> torch.Tensor:
         """The recorded forward: static slices in, logits [rows, V] out."""

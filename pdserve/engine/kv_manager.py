@@ -12,9 +12,9 @@ host tier keeps its own identity: host free + host pages in the tree == host tot
 from __future__ import annotations
 
 from pdserve.cache.hicache_controller import HiCacheController
-from pdserve.cache.hiradix_cache import HiRadixCache
+from pdserve.cache.hiradix_cache import HiNode, HiRadixCache
 from pdserve.cache.kv_storage import PageStore
-from pdserve.cache.radix_cache import RadixCache
+from pdserve.cache.radix_cache import Node, RadixCache
 from pdserve.cache.storage_prefetch import StoragePrefetcher
 from pdserve.engine.request import Req
 from pdserve.memory.host_pool import HostKVPool
@@ -32,7 +32,7 @@ class KVManager:
         self.page_size = kv_pool.page_size
         self.alloc = kv_pool.allocator
         self.host_pool, self.ctrl = host_pool, ctrl
-        self.cache: RadixCache | None = None
+        self.cache: RadixCache | HiRadixCache | None = None
         if use_cache and ctrl is not None and host_pool is not None:
             self.cache = HiRadixCache(self.page_size, self.alloc.free, host_pool.allocator,
                                       ctrl, write_policy, store=store)
@@ -73,8 +73,9 @@ class KVManager:
             # Keep at least one token to compute: its logits give the next token.
             # Prompt logprobs need every prompt position's logits: reuse nothing then.
             prefix = self._reusable(req)
+            node: Node  # a HiNode under HiCache; lock/unlock take either
             if self.hi is not None:
-                pages, node = self._match_and_load(req, prefix)
+                pages, node = self._match_and_load(self.hi, req, prefix)
             else:
                 pages, node = self.cache.match_prefix(prefix)
             self.cache.lock(node)
@@ -111,14 +112,16 @@ class KVManager:
             return False
         return True
 
-    def _match_and_load(self, req: Req, prefix: list[int]) -> tuple[list[int], object]:
-        """HiCache admission: device hit plus, when worth it and the device has room, the
-        host-only part loaded back (asynchronously; the batch waits per layer)."""
-        m = self.hi.match(prefix)
+    def _match_and_load(self, hi: HiRadixCache, req: Req, prefix: list[int]
+                        ) -> tuple[list[int], HiNode]:
+        """HiCache admission (`hi`: `self.hi`, known present): device hit plus, when worth it
+        and the device has room, the host-only part loaded back (asynchronously; the batch
+        waits per layer)."""
+        m = hi.match(prefix)
         pages, node = list(m.device_pages), m.device_node
         if m.load_op:  # part of the device hit is still being loaded (for another request)
             req.load_op, req.load_pages = m.load_op, m.loading
-        loaded = self.hi.load_back(m, self._alloc_pages) if m.host_pages else None
+        loaded = hi.load_back(m, self._alloc_pages) if m.host_pages else None
         if loaded is not None:
             new, op = loaded
             start = req.load_pages.start if req.load_op else len(pages)
@@ -170,6 +173,7 @@ class KVManager:
         pages = self._alloc_pages(self.pages_for(req, new_len))
         if pages is None:
             return None
+        assert req.slot is not None, "extend needs an admitted request"
         req.pages.extend(pages)
         slots = self.kv.slots_of(req.pages, req.kv_len, new_len)
         self.req_pool.write(req.slot, req.kv_len, slots)
@@ -192,9 +196,16 @@ class KVManager:
         pages, _ = self.cache.match_prefix(tokens, count=False)
         if len(pages) != own:
             return False
-        self.cache.insert(tokens, req.pages[:full])
+        if self.hi is not None:
+            # No device duplicates: the tree held exactly the `own` pages this request
+            # locked (checked above); a host-only node past them takes our pages back.
+            dups = self.hi.insert_dups(tokens, req.pages[:full])
+            assert all(i < own for i in dups), dups
+        else:
+            self.cache.insert(tokens, req.pages[:full])
         _, node = self.cache.match_prefix(tokens, count=False)
         self.cache.lock(node)
+        assert req.cache_node is not None  # admit locked one: this cache is on
         self.cache.unlock(req.cache_node)
         req.cache_node, req.cached_len = node, full * self.page_size
         return True
@@ -216,6 +227,7 @@ class KVManager:
                 # Pages [cached, present) are duplicates of what others cached meanwhile.
                 self.alloc.free(req.pages[own_start:present])
             self.alloc.free(req.pages[full:])
+            assert req.cache_node is not None  # admit locked one: this cache is on
             self.cache.unlock(req.cache_node)
         else:
             self.alloc.free(req.pages)
@@ -246,7 +258,9 @@ class KVManager:
         if self.hi is not None:
             out.update(self.hi.stats)
         if self.ctrl is not None:
-            out.update({k: v for k, v in self.ctrl.stats.items() if k.endswith(("ops", "bytes"))})
+            # int(): the ops and bytes entries are counts; the dict's floats are *_seconds.
+            out.update({k: int(v) for k, v in self.ctrl.stats.items()
+                        if k.endswith(("ops", "bytes"))})
         return out
 
     def drain_copies(self) -> None:
@@ -255,7 +269,7 @@ class KVManager:
         if self.prefetcher is not None:
             self.prefetcher.drain()
         if self.hi is not None:
-            self.ctrl.wait(self.ctrl.last_op)
+            self.hi.ctrl.wait(self.hi.ctrl.last_op)  # the same controller as self.ctrl
             self.hi.check_acks()
 
     def idle_is_full(self) -> bool:

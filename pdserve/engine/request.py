@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -21,6 +21,7 @@ from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the roles own these types; the engine only carries them
     from decode_node.state import DecodeState
+    from pdserve.cache.radix_cache import Node
     from pdserve.cache.storage_prefetch import Prefetch
     from pdserve.engine.grammar import RequestGrammar
     from prefill_node.state import PrefillState
@@ -45,7 +46,7 @@ class Req:
         self.state = ReqState.WAITING
         self.slot: int | None = None
         self.pages: list[int] = []
-        self.cache_node = None
+        self.cache_node: Node | None = None  # the cache path it locked (admit), if any
         self.cached_len = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (reported)
         self.load_op = 0  # HiCache load of part of its cached prefix; 0 = none
@@ -62,7 +63,7 @@ class Req:
         self.generator: torch.Generator | None = None
         # Storage read of its prefix: None (not looked at), True (nothing to read) or the
         # Prefetch the admission waits for (pdserve/cache/storage_prefetch.py).
-        self.prefetch: Prefetch | bool | None = None
+        self.prefetch: Prefetch | Literal[True] | None = None
         self.grammar: RequestGrammar | None = None  # structured output (pdserve.engine.grammar)
         # Logprobs (docs/architecture.md: Logprobs), only when asked: one entry per output
         # token (None for a first token computed elsewhere: the PD decode node), and one per

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +31,9 @@ from pdserve.models.llama import AttnMeta
 from pdserve.models.loader import load_model
 from pdserve.models.ops import choose_ops
 from pdserve.models.parallel import plan_tp, shard_model
+
+if TYPE_CHECKING:  # imported when a "transfer" op arrives: a PD node only
+    from pdserve.pd.tp_rooms import WorkerTransfer
 
 log = logging.getLogger("pdserve.tp_worker")
 
@@ -63,7 +67,7 @@ def serve(cfg: EngineConfig, rank: int, port: int, replies) -> None:
     layout = KVLayout(hf.num_hidden_layers, plan.local_kv_heads, plan.head_dim, loaded.dtype,
                       cfg.page_size)
     pool = KVPool(layout, int(init["num_pages"]), device)
-    transfer = None
+    transfer: WorkerTransfer | None = None
     try:
         while (msg := read_msg(stdin)) is not None and msg["op"] != "stop":
             if msg["op"] == "forward":
@@ -73,6 +77,7 @@ def serve(cfg: EngineConfig, rank: int, port: int, replies) -> None:
 
                 transfer = WorkerTransfer(pool, rank, msg, replies, threading.Lock())
             else:
+                assert transfer is not None, f"{msg['op']!r} before the 'transfer' op"
                 transfer.handle(msg)
     finally:
         if transfer is not None:
@@ -84,8 +89,12 @@ def _forward(msg: dict, group: TPGroup, model, pool: KVPool, device: torch.devic
     group.broadcast(payload)
     t = unpack_tensors(msg["specs"], payload)
     ids, pos, rows = t.pop("input_ids"), t.pop("positions"), t.pop("logit_rows")
-    plain = {k: tuple(v) if isinstance(v, list) else v for k, v in msg["plain"].items()}
-    meta = AttnMeta(**t, **plain)
+    # AttnMeta's fields as rank 0 built them (model_runner._attn_meta): tensors from the
+    # payload, the rest (ints; tuples, sent as lists) from the JSON message: typed there.
+    tensors: dict[str, Any] = t
+    plain: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                             for k, v in msg["plain"].items()}
+    meta = AttnMeta(**tensors, **plain)
     model(ids, pos, meta, pool, rows)
 
 

@@ -23,8 +23,9 @@ Lk = gathered context (pages x page_size), H / Hkv = query / KV heads, D = head 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from torch import nn
 
 from pdserve.models.ops import TorchOps
 from pdserve.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:  # parallel.py swaps it in under TP; it imports this module
+    from pdserve.models.parallel import RowParallelLinear
 
 TORCH_OPS = TorchOps()
 
@@ -100,7 +104,9 @@ class Attention(nn.Module):
         h = cfg.hidden_size
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(h, qd + 2 * kd, bias=bias)  # rows: q, then k, then v
-        self.o_proj = nn.Linear(qd, h, bias=attn_bias and cfg.model_type != "qwen2")
+        # Row-parallel once sharded for TP (models/parallel.py).
+        self.o_proj: nn.Linear | RowParallelLinear = nn.Linear(
+            qd, h, bias=attn_bias and cfg.model_type != "qwen2")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -125,16 +131,21 @@ class Attention(nn.Module):
                 outs.append(_fresh_attention(q[:te], k[:te], v[:te], meta.fresh_lens,
                                              self.scale))
             else:
+                starts, lens = meta.extend_starts, meta.extend_lens
+                assert starts is not None and lens is not None  # set when fresh_lens is not
                 attend = ops.extend_attention if self.paged_extend(ops, q.dtype) \
                     else _gathered_extend
-                outs.append(attend(q[:te], k_buf, v_buf, meta.kv_pages, meta.extend_starts,
-                                   meta.extend_lens, meta.page_size, self.scale))
+                outs.append(attend(q[:te], k_buf, v_buf, meta.kv_pages, starts, lens,
+                                   meta.page_size, self.scale))
         if n_dec:  # decode rows: the last n_dec tokens, one per row
+            pages, seq_lens = meta.decode_pages, meta.seq_lens
+            assert pages is not None and seq_lens is not None  # set with the decode group
             if ops.paged_decode(h, hkv, d):  # [Bd, H, D]
-                out = ops.decode_attention(q[t - n_dec:], k_buf, v_buf, meta.decode_pages,
-                                           meta.seq_lens, meta.page_size, self.scale)
+                out = ops.decode_attention(q[t - n_dec:], k_buf, v_buf, pages, seq_lens,
+                                           meta.page_size, self.scale)
             else:
-                out = _gathered_decode(q[t - n_dec:], k_buf, v_buf, meta, self.scale)
+                out = _gathered_decode(q[t - n_dec:], k_buf, v_buf, pages, seq_lens,
+                                       meta.page_size, self.scale)
             outs.append(out.view(n_dec, h * d))
         return _linear(ops, self.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
 
@@ -195,16 +206,17 @@ def _gathered_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 
 
 def _gathered_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                     meta: AttnMeta, scale: float) -> torch.Tensor:
+                     kv_pages: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                     scale: float) -> torch.Tensor:
     """Decode rows without a paged kernel: q [Bd, H, D] -> [Bd, H, D]. Only the decode rows'
     own pages are gathered ([Bd, Hkv, Pd*page_size, D], Pd their longest context), so a
     mixed batch never pads a decode row to a chunk's length; the mask [Bd, 1, 1, Lk] hides
     each row's keys past its length."""
     h = q.shape[1]
-    keys = _gather_pages(k_buf, meta.decode_pages, meta.page_size)
-    values = _gather_pages(v_buf, meta.decode_pages, meta.page_size)
+    keys = _gather_pages(k_buf, kv_pages, page_size)
+    values = _gather_pages(v_buf, kv_pages, page_size)
     key_pos = torch.arange(keys.shape[2], device=q.device)
-    mask = (key_pos.view(1, -1) < meta.seq_lens.view(-1, 1)).view(-1, 1, 1, keys.shape[2])
+    mask = (key_pos.view(1, -1) < seq_lens.view(-1, 1)).view(-1, 1, 1, keys.shape[2])
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                          scale=scale, enable_gqa=h != keys.shape[1])
     return out.squeeze(2)  # [Bd, H, 1, D] -> [Bd, H, D]
@@ -224,7 +236,9 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        # Row-parallel once sharded for TP (models/parallel.py).
+        self.down_proj: nn.Linear | RowParallelLinear = nn.Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         return _linear(ops, self.down_proj, ops.silu_and_mul(_linear(ops, self.gate_up_proj, x)))
@@ -254,6 +268,12 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers` itself, typed: nn.ModuleList is not generic (its items type as Module),
+        and this one only ever holds DecoderLayers."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
 
 class CausalLM(nn.Module):
     """`forward(input_ids [T], positions [T], meta, kv_pool, logit_rows [R]) -> logits [R, V]`."""
@@ -267,10 +287,12 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
         self.ops: TorchOps = TORCH_OPS  # the loader swaps in NativeOps (pdserve/models/ops.py)
+        # Under TP: the vocab-parallel head that `compute_logits` calls instead (parallel.py).
+        self.tp_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttnMeta, kv_pool, logit_rows) -> torch.Tensor:
-        ops, layers = self.ops, self.model.layers
+        ops, layers = self.ops, self.model.decoder_layers
         residual = self.model.embed_tokens(input_ids)  # [T, hidden], the residual stream
         cos, sin = self.rotary(positions, residual.dtype)
         first = layers[0].input_layernorm
@@ -287,14 +309,16 @@ class CausalLM(nn.Module):
 
     def paged_decode(self) -> bool:
         """True when decode rows can read the paged pool in place (ops and head shapes)."""
-        return self.model.layers[0].self_attn.paged_decode(self.ops)
+        return self.model.decoder_layers[0].self_attn.paged_decode(self.ops)
 
     def paged_extend(self) -> bool:
         """True when prompt rows can attend over the paged pool in place (ops, dtype, heads)."""
-        attn = self.model.layers[0].self_attn
+        attn = self.model.decoder_layers[0].self_attn
         return attn.paged_extend(self.ops, self.model.embed_tokens.weight.dtype)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] -> [R, V] fp32 (replaced per instance under TP: models/parallel.py)."""
+        """[R, hidden] -> [R, V] fp32 (vocab-parallel under TP: models/parallel.py)."""
+        if self.tp_logits is not None:
+            return self.tp_logits(x)
         weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
         return self.ops.linear(x, weight, None).float()

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pdserve.models.llama import MLP, Attention, CausalLM
 
 
 class Comm(Protocol):
@@ -112,7 +115,7 @@ def _row(layer: nn.Linear, cols: slice, comm: Comm) -> RowParallelLinear:
     return RowParallelLinear(layer.weight.data[:, cols].contiguous(), bias, comm)
 
 
-def _shard_attention(attn: nn.Module, p: TPPlan, comm: Comm) -> None:
+def _shard_attention(attn: Attention, p: TPPlan, comm: Comm) -> None:
     d, qd, kd = p.head_dim, p.heads * p.head_dim, p.kv_heads * p.head_dim
     qs, ks = slice(p.q_start * d, (p.q_start + p.local_heads) * d), \
         slice(p.kv_start * d, (p.kv_start + p.local_kv_heads) * d)
@@ -121,12 +124,13 @@ def _shard_attention(attn: nn.Module, p: TPPlan, comm: Comm) -> None:
         q, k, v = t[:qd], t[qd:qd + kd], t[qd + kd:]
         return [q[qs], k[ks], v[ks]]
 
+    assert isinstance(attn.o_proj, nn.Linear), "a layer is sharded once"
     attn.qkv_proj = _column(attn.qkv_proj, parts)
     attn.o_proj = _row(attn.o_proj, qs, comm)
     attn.num_heads, attn.num_kv_heads = p.local_heads, p.local_kv_heads
 
 
-def _shard_mlp(mlp: nn.Module, p: TPPlan, comm: Comm) -> None:
+def _shard_mlp(mlp: MLP, p: TPPlan, comm: Comm) -> None:
     inter = mlp.gate_up_proj.weight.shape[0] // 2
     local = inter // p.size
     cols = slice(p.rank * local, (p.rank + 1) * local)
@@ -134,6 +138,7 @@ def _shard_mlp(mlp: nn.Module, p: TPPlan, comm: Comm) -> None:
     def parts(t: torch.Tensor) -> list[torch.Tensor]:  # fused rows: gate [inter], up [inter]
         return [t[:inter][cols], t[inter:][cols]]
 
+    assert isinstance(mlp.down_proj, nn.Linear), "a layer is sharded once"
     mlp.gate_up_proj = _column(mlp.gate_up_proj, parts)
     mlp.down_proj = _row(mlp.down_proj, cols, comm)
 
@@ -147,11 +152,11 @@ def _vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, vocab: int, co
     return torch.cat(comm.all_gather(local.contiguous()), dim=1)[:, :vocab]
 
 
-def shard_model(model: nn.Module, p: TPPlan, comm: Comm) -> None:
+def shard_model(model: CausalLM, p: TPPlan, comm: Comm) -> None:
     """Shard a fully loaded `CausalLM` in place for rank `p.rank` (frees the other slices)."""
     if p.size == 1:
         return
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers:
         _shard_attention(layer.self_attn, p, comm)
         _shard_mlp(layer.mlp, p, comm)
     head = model.model.embed_tokens.weight if model.tie else model.lm_head.weight
@@ -162,6 +167,6 @@ def shard_model(model: nn.Module, p: TPPlan, comm: Comm) -> None:
         rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
     if not model.tie:
         del model.lm_head
-    model.tp_head = rows.contiguous()
-    model.compute_logits = functools.partial(_vocab_parallel_logits, weight=model.tp_head,
-                                             vocab=vocab, comm=comm, ops=model.ops)
+    model.tp_head = tp_head = rows.contiguous()
+    model.tp_logits = functools.partial(_vocab_parallel_logits, weight=tp_head, vocab=vocab,
+                                        comm=comm, ops=model.ops)

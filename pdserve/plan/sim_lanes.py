@@ -17,6 +17,8 @@ Rules and costs are those of `sim_node.py` / `sim.py`:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from pdserve.plan.profile_model import Profile
@@ -34,7 +36,7 @@ def ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def advance(ptr: np.ndarray, lim: np.ndarray, key: np.ndarray, thr: np.ndarray,
-            side: str) -> np.ndarray:
+            side: Literal["left", "right"]) -> np.ndarray:
     """Per lane, the first index p in [ptr, lim) with key[p] > thr (side "right") or
     >= thr ("left"), else lim. `key` is non-decreasing and padded (`pad`). Scans the next
     few values first (they stay in cache across iterations; a binary search over 36M values
@@ -135,6 +137,7 @@ class DecodeLanes:
         K, L, M, ends, n = self.K, self.L, self.M, self.ends, len(self.starts)
         key, off = lane_key(K, self.starts, ends)
         if self.A is not None:
+            assert self.a_starts is not None and self.a_ends is not None  # given with A
             akey, aoff = lane_key(self.A, self.a_starts, self.a_ends)
             g = self.a_starts.copy()
         CI = np.concatenate(([0], np.cumsum(L)))
@@ -190,13 +193,15 @@ class DecodeLanes:
         """Arrivals before the step start found the node idle (pre-allocated at once, the
         default; only a lane that was idle can have such arrivals past `g`); those during
         the step wait for its end."""
-        lim = self.a_ends[act]
+        a_ends, bound = self.a_ends, self.bound
+        assert a_ends is not None and bound is not None  # run() calls this only with A
+        lim = a_ends[act]
         w = np.flatnonzero(idle)
         if w.size:
             g[w] = advance(g[w], lim[w], akey, ts[w] + act[w] * aoff, "left")
         g2 = advance(g, lim, akey, t_end + act * aoff, "left")
         idx, own = ranges(g, g2 - g)
-        self.bound[idx] = t_end[own]
+        bound[idx] = t_end[own]
         return g2
 
     def _resolve(self, i: int) -> None:

@@ -15,8 +15,11 @@ import os
 import signal
 import traceback
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
+
+J = TypeVar("J")  # a job: body's argument
 
 
 def shared_empty(n: int) -> np.ndarray:
@@ -25,7 +28,7 @@ def shared_empty(n: int) -> np.ndarray:
     return np.frombuffer(buf, np.float64, n)
 
 
-def fork_map(jobs: Sequence, body: Callable[[object], Sequence[float]], workers: int,
+def fork_map(jobs: Sequence[J], body: Callable[[J], Sequence[float]], workers: int,
              nstats: int) -> np.ndarray:
     """`body(job)` for every job (job k in worker k % workers), returning its `nstats`
     counters as rows of an array; `workers` <= 1 or a single job runs here in order."""

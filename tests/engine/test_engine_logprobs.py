@@ -142,11 +142,13 @@ def test_smollm2_logprobs_match_transformers():
         check_output(SMOLLM, out, p.logprobs, p.prompt_logprobs)
 
 
-@pytest.mark.parametrize("loop", ["overlap", "normal"])
-def test_cache_prompt_shares_the_prompt_with_later_choices(loop):
+@pytest.mark.parametrize(("loop", "hicache"), [("overlap", False), ("normal", False),
+                                              ("overlap", True)])
+def test_cache_prompt_shares_the_prompt_with_later_choices(loop, hicache):
     """n > 1: choice 0 puts its prompt pages into the cache once computed (while it keeps
-    running); choices sent after its first token reuse them and sample the same."""
-    llm = get_llm("tiny-llama", loop=loop, page_size=4)
+    running); choices sent after its first token reuse them and sample the same. With
+    HiCache on too (its tree inserts through insert_dups)."""
+    llm = get_llm("tiny-llama", loop=loop, page_size=4, enable_hierarchical_cache=hicache)
     eng = llm.engine
     prompt = random_prompt(37, seed=4242)  # 9 whole pages and one partial
     p = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
