@@ -8,7 +8,7 @@
 # build is refused without them), `docker import` it, and build the Dockerfile on it
 # (BASE_IMAGE build arg) with torch from the machine's local CPU wheel (docker/wheels/).
 # Then `pdserve up --prefill 1 --decode 1 --transfer-backend mooncake` runs in the image and
-# one chat completion goes through the router. Exit status != 0 on any failure; the phase
+# one chat completion goes through the router; each node must run the prebuilt kernels. Exit status != 0 on any failure; the phase
 # timings are printed at the end. tests/helm/test_image.py checks that this script and the
 # Dockerfile agree (base arg, extras, wheel folder).
 set -euo pipefail
@@ -113,6 +113,12 @@ nodes = httpx.get("http://127.0.0.1:8998/v1/nodes").json()["nodes"]
 backends = {n["node_id"]: n["transfer_backend"] for n in nodes}
 print("nodes:", backends)
 assert len(backends) == 2 and set(backends.values()) == {"mooncake"}, backends
+# Each node runs the fused kernels the builder stage compiled for the ISA level this CPU runs.
+for n in nodes:
+    eng = httpx.get(n["http_url"] + "/server_info").json()["engine"]
+    print(n["node_id"], "kernels:", eng["kernels"], eng["kernels_build"])
+    assert eng["kernels"] == "native", eng
+    assert (eng["kernels_build"] or "").startswith("prebuilt-"), eng
 body = {"model": "smollm2-135m", "temperature": 0, "max_tokens": 24,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 r = httpx.post("http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=300)

@@ -1,13 +1,16 @@
 """Builds and loads pdserve's fused CPU kernels (cpu_ops.cpp) as a torch C++ extension.
 
 The extension (cpu_ops.cpp with its bindings; extend_attention.cpp and decode_bf16.cpp, the
-AVX512-BF16 attention kernels; the helpers in vec.h) is compiled once per source, torch
-version, compiler, CPU kind and checkout, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache`
-by default; `python -m pdserve.kernels` builds it ahead of time, scripts/setup.sh does).
-It needs a C++ compiler and `ninja`; where either is missing or the build fails,
-`load_cpu_ops()` returns None with the reason in `build_error()`, and the model runs its
-torch reference ops instead (pdserve/models/ops.py). `-march=native` is safe because
-the build happens on the machine that runs it.
+AVX512-BF16 attention kernels; the helpers in vec.h) comes from one of two places, in order:
+1. a build made ahead of time for an ISA level this CPU runs (pdserve/kernels/prebuilt.py:
+   an image's builder stage makes them, so pods need no compiler);
+2. a build made here with `-march=native`, once per source, torch version, compiler, CPU
+   kind and checkout, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache` by default;
+   `python -m pdserve.kernels` builds it ahead of time, scripts/setup.sh does). It needs a
+   C++ compiler and `ninja`. `-march=native` is safe because it runs where it was built.
+Where neither works, `load_cpu_ops()` returns None with the reason in `build_error()`, and
+the model runs its torch reference ops instead (pdserve/models/ops.py). `build_id()` names
+the build in use (/server_info: `engine.kernels_build`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import logging
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from pdserve.kernels import prebuilt
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -42,7 +46,7 @@ def _cpu_flags() -> bytes:
 
 
 @functools.cache
-def _compiler() -> bytes:
+def compiler() -> bytes:
     """The first line of `c++ --version` (the compiler torch's build runs, `$CXX` when set):
     objects of another compiler version are not reused."""
     cxx = os.environ.get("CXX", "c++")
@@ -54,15 +58,20 @@ def _compiler() -> bytes:
     return out.splitlines()[0] if out else b"unknown compiler"
 
 
+def sources_hash() -> str:
+    """sha256 of the kernel sources' text (the .cpp files and the headers)."""
+    text = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(HERE.glob("*.h"))])
+    return hashlib.sha256(text).hexdigest()
+
+
 def cache_dir() -> Path:
     """One build folder per source text, torch version, compiler, CPU kind and checkout
     (its name is the build's id in /server_info: `engine.kernels_build`). The checkout
     counts because torch writes the sources' paths into build.ninja: two checkouts sharing
     a folder would rebuild it in turn, and a process killed mid-build leaves torch's lock
     file behind, on which every later load waits forever."""
-    text = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(HERE.glob("*.h"))])
-    key = hashlib.sha256(text + torch.__version__.encode() + _compiler() + _cpu_flags()
-                         + str(HERE.resolve()).encode()).hexdigest()[:12]
+    key = hashlib.sha256(sources_hash().encode() + torch.__version__.encode() + compiler()
+                         + _cpu_flags() + str(HERE.resolve()).encode()).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(cache) / "pdserve" / "kernels" / key
 
@@ -71,7 +80,29 @@ def load_cpu_ops(verbose: bool = False) -> ModuleType | None:
     """The compiled module, or None when it cannot be built here (reason: build_error())."""
     if "module" in _state:
         return _state["module"]  # type: ignore[return-value]
-    module = None
+    module = _load_prebuilt()
+    if module is None:
+        module = _load_native(verbose)
+    _state["module"] = module
+    return module
+
+
+def _load_prebuilt() -> ModuleType | None:
+    pre = prebuilt.usable(sources_hash())
+    if pre is None:
+        return None
+    try:
+        module = prebuilt.load(pre)
+    except Exception as exc:  # a damaged file: say so, build here instead
+        log.warning("prebuilt kernels %s do not load (%s: %s); building here", pre.path,
+                    type(exc).__name__, exc)
+        return None
+    _state["build"] = pre.build_id
+    log.info("fused CPU kernels: prebuilt for %s (%s)", pre.level, pre.path)
+    return module
+
+
+def _load_native(verbose: bool) -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
@@ -81,11 +112,11 @@ def load_cpu_ops(verbose: bool = False) -> ModuleType | None:
             name=f"pdserve_cpu_ops_{build.name}", sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             build_directory=str(build), verbose=verbose)
-        _state["build"] = build.name
     except Exception as exc:  # compiler, ninja or headers missing: fall back, say why
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip()[-400:]}"
         log.warning("fused CPU kernels unavailable, using torch ops: %s", _state["error"])
-    _state["module"] = module
+        return None
+    _state["build"] = build.name
     return module
 
 
@@ -94,15 +125,8 @@ def build_error() -> str | None:
 
 
 def build_id() -> str | None:
-    """The loaded build's id (its cache folder's name, see cache_dir); None before a
-    successful load_cpu_ops()."""
+    """The loaded build's id: `prebuilt-<level>-<hash>` or the native build's cache folder
+    name (see cache_dir); None before a successful load_cpu_ops()."""
     return _state.get("build")  # type: ignore[return-value]
 
 
-def main() -> int:
-    module = load_cpu_ops(verbose="-v" in sys.argv)
-    if module is None:
-        print(f"pdserve kernels: not built ({build_error()})", file=sys.stderr)
-        return 1
-    print(f"pdserve kernels: ready in {cache_dir()}")
-    return 0

@@ -161,6 +161,6 @@ def test_kernel_cache_is_per_checkout_cpu_compiler_and_cache_home(monkeypatch, t
     monkeypatch.setattr(k, "_cpu_flags", lambda: b"flags: avx2")
     avx2 = k.cache_dir().name
     assert avx2 not in (here.name, other)
-    assert k._compiler()  # e.g. b"c++ (Debian 12.2.0-14) 12.2.0"
-    monkeypatch.setattr(k, "_compiler", lambda: b"c++ (another) 99.0")
+    assert k.compiler()  # e.g. b"c++ (Debian 12.2.0-14) 12.2.0"
+    monkeypatch.setattr(k, "compiler", lambda: b"c++ (another) 99.0")
     assert k.cache_dir().name not in (here.name, other, avx2)
