@@ -1,7 +1,8 @@
 """The processes of the chaos soak (bench/chaos.py): a registry, prefill and decode nodes and
-a router, each a real `pdserve` process in its own session on a fixed loopback port, so
-that any of them can be killed with -9, paused with SIGSTOP, and restarted in place (same
-node id and port; a node comes back as a new instance and re-registers).
+a router, each a real `pdserve` process in its own session on a loopback port, so that any
+of them can be killed with -9, paused with SIGSTOP, and restarted in place (same node id
+and port; a node comes back as a new instance and re-registers). The first start binds
+port 0 and reports the port (`--port-file`); restarts ask for that port again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.ports import free_port
+from pdserve.ports import wait_port_file
 
 MODEL = "tiny-llama"
 # Short registry TTL and KV heartbeat: dead nodes leave within seconds, so a soak of a few
@@ -34,18 +35,28 @@ def _cmd(*args: str) -> list[str]:
 @dataclass
 class Member:
     name: str  # registry | prefill-0 | decode-1 | router
-    cmd: list[str]
-    url: str
+    cmd: list[str]  # without --port
     log: Path
+    port: int = 0  # 0 until the first start reported the port it picked
     proc: subprocess.Popen | None = None
     starts: int = 0
     paused: bool = False
     history: list[str] = field(default_factory=list)
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def port_file(self) -> Path:
+        return self.log.with_suffix(".port")
+
     def spawn(self) -> None:
         self.starts += 1
+        self.port_file.unlink(missing_ok=True)
+        cmd = [*self.cmd, "--port", str(self.port), "--port-file", str(self.port_file)]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True,
                                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -60,6 +71,12 @@ class Member:
 
     def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
+        if not self.port:
+            assert self.proc is not None
+            try:
+                self.port = wait_port_file(self.port_file, self.proc, timeout_s)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"{self.name}: {exc}; see {self.log}") from None
         while not self.ready():
             if not self.alive or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not become ready; see {self.log}")
@@ -90,25 +107,23 @@ class Cluster:
     """registry + P prefill + D decode nodes + router, all on this machine."""
 
     def __init__(self, log_dir: Path, prefill: int, decode: int, backend: str) -> None:
-        reg_port = free_port()
-        self.registry_url = f"http://127.0.0.1:{reg_port}"
+        self.log_dir, self.shape, self.backend = log_dir, (prefill, decode), backend
         self.members: dict[str, Member] = {}
-        self._add("registry", _cmd("registry", "--port", str(reg_port)), reg_port, log_dir)
-        for role, n in (("prefill", prefill), ("decode", decode)):
-            for i in range(n):
-                port = free_port()
-                self._add(f"{role}-{i}", _cmd(
-                    role, "--model", MODEL, "--port", str(port), "--registry",
-                    self.registry_url, "--node-id", f"{role}-{i}", "--transfer-backend",
-                    backend, *NODE_FLAGS), port, log_dir)
-        port = free_port()
-        self._add("router", _cmd("router", "--registry", self.registry_url, "--port", str(port),
-                                 "--model", MODEL, "--registry-poll-s", "0.5",
-                                 "--request-timeout-s", "120"), port, log_dir)
+        self._add("registry", _cmd("registry"))
+        self.registry_url = ""  # once the registry reported its port
 
-    def _add(self, name: str, cmd: list[str], port: int, log_dir: Path) -> None:
-        self.members[name] = Member(name, cmd, f"http://127.0.0.1:{port}",
-                                    log_dir / f"{name}.log")
+    def _add(self, name: str, cmd: list[str]) -> None:
+        self.members[name] = Member(name, cmd, self.log_dir / f"{name}.log")
+
+    def _add_the_rest(self) -> None:
+        """Nodes and router: their commands name the registry's URL."""
+        for role, n in zip(("prefill", "decode"), self.shape, strict=True):
+            for i in range(n):
+                self._add(f"{role}-{i}", _cmd(
+                    role, "--model", MODEL, "--registry", self.registry_url, "--node-id",
+                    f"{role}-{i}", "--transfer-backend", self.backend, *NODE_FLAGS))
+        self._add("router", _cmd("router", "--registry", self.registry_url, "--model", MODEL,
+                                 "--registry-poll-s", "0.5", "--request-timeout-s", "120"))
 
     @property
     def router(self) -> str:
@@ -121,6 +136,8 @@ class Cluster:
         reg = self.members["registry"]
         reg.spawn()
         reg.wait_ready(60)
+        self.registry_url = reg.url
+        self._add_the_rest()
         for m in self.members.values():
             if m is not reg:
                 m.spawn()
@@ -139,4 +156,5 @@ class Cluster:
     def stop(self) -> None:
         order = ["router", *[m.name for m in self.nodes()], "registry"]
         for name in order:
-            self.members[name].stop()
+            if name in self.members:  # a failed start may not have added them all
+                self.members[name].stop()

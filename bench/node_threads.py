@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
-from pd_vs_colocated import free_port, start, stop  # noqa: E402
+from pd_vs_colocated import start, stop  # noqa: E402
 
 from pdserve.cli import main as pdserve_main  # noqa: E402
 from pdserve.cpus import split_cores, usable_cores  # noqa: E402
@@ -30,14 +30,12 @@ STATS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "output_thr
 
 
 def run(label: str, threads: int, args, work: Path) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", args.model, "--port",
-           str(port), "--prefill", str(args.prefill), "--decode", str(args.decode),
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", args.model,
+           "--prefill", str(args.prefill), "--decode", str(args.decode),
            "--node-threads", str(threads), "--log-dir", str(work / f"logs-{label}")]
     if args.transfer_backend:
         cmd += ["--transfer-backend", args.transfer_backend]
-    proc = start(cmd, url, work / f"{label}.log")
+    proc, url = start(cmd, work / f"{label}.log")
     out = work / f"{label}.jsonl"
     try:
         pdserve_main(["bench", "--base-url", url, "--backend", "generate",

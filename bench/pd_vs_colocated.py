@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.ports import free_port
+from pdserve.ports import wait_port_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
@@ -30,10 +30,20 @@ from _common import base_parser, print_table, write_json  # noqa: E402
 from pdserve.cli import main as pdserve_main  # noqa: E402
 
 
-def start(cmd: list[str], url: str, log: Path, timeout_s: float = 900) -> subprocess.Popen:
+def start(cmd: list[str], log: Path, timeout_s: float = 900) -> tuple[subprocess.Popen, str]:
+    """Start `cmd` (`pdserve serve` or `up`) on a port it picks (`--port 0 --port-file`,
+    added here); the process and its URL once a real request round-trips."""
+    port_file = log.with_suffix(".port")
+    port_file.unlink(missing_ok=True)
+    cmd = [*cmd, "--port", "0", "--port-file", str(port_file)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + timeout_s
+    try:
+        url = f"http://127.0.0.1:{wait_port_file(port_file, proc, timeout_s)}"
+    except (RuntimeError, TimeoutError) as exc:
+        stop(proc)
+        raise RuntimeError(f"{cmd[2]}: {exc}; see {log}") from None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{cmd[2]} exited; see {log}")
@@ -41,7 +51,7 @@ def start(cmd: list[str], url: str, log: Path, timeout_s: float = 900) -> subpro
             r = httpx.post(f"{url}/generate", timeout=30, json={
                 "input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 2}})
             if r.status_code == 200:
-                return proc
+                return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -79,16 +89,14 @@ def bench(url: str, label: str, out: Path, args, low_load: bool) -> dict:
 
 
 def run_system(kind: str, args, workdir: Path) -> tuple[dict, dict]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     common = ["--model", args.model]
     if kind == "colocated":
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", *common, "--port", str(port)]
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", *common]
     else:
-        cmd = [sys.executable, "-m", "pdserve.cli", "up", *common, "--port", str(port),
+        cmd = [sys.executable, "-m", "pdserve.cli", "up", *common,
                "--prefill", "1", "--decode", "1", "--transfer-backend", args.transfer_backend,
                "--log-dir", str(workdir / "up-logs")]
-    proc = start(cmd, url, workdir / f"{kind}.log")
+    proc, url = start(cmd, workdir / f"{kind}.log")
     try:
         out = workdir / f"{kind}.jsonl"
         low = bench(url, f"{kind}-low", out, args, low_load=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
-from pd_vs_colocated import free_port, start, stop  # noqa: E402
+from pd_vs_colocated import start, stop  # noqa: E402
 from plan_scale import measure as scale_measure  # noqa: E402
 
 from pdserve.cli import main as pdserve_main  # noqa: E402
@@ -79,9 +79,7 @@ def measure(shape: str, rate: float, args, work: Path) -> dict:
     `rows["runnable"]` the runnable threads of other processes just before the stack
     started (for the background-load model)."""
     p, d, c = shape_of(shape)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    common = ["--model", args.model, "--port", str(port)]
+    common = ["--model", args.model]
     if c:  # every node runs the profile's forward threads
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", *common, "--threads",
                str(args.node_threads)]
@@ -92,7 +90,7 @@ def measure(shape: str, rate: float, args, work: Path) -> dict:
                "--log-dir", str(work / f"logs-{shape}")]
     load = os.getloadavg()[0]
     runnable = runnable_now(2.0)
-    proc = start(cmd, url, work / f"{shape}.log")
+    proc, url = start(cmd, work / f"{shape}.log")
     out = work / f"{shape}.jsonl"
     rows: dict = {"load": load, "runnable": runnable}
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from pdserve.ports import wait_port_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
@@ -36,23 +37,26 @@ SCHEMA = {"type": "object", "properties": {"items": {
     "required": ["items"], "additionalProperties": False}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_node(model: str, port: int, log: Path) -> subprocess.Popen:
+def start_node(model: str, log: Path) -> tuple[subprocess.Popen, int]:
+    """`pdserve serve` on a port it picks (`--port 0 --port-file`); it and its port."""
+    port_file = log.with_suffix(".port")
+    port_file.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", model,
-                             "--port", str(port)], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                             "--port", "0", "--port-file", str(port_file)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.monotonic() + 300
+    try:
+        port = wait_port_file(port_file, proc, 300)
+    except (RuntimeError, TimeoutError) as exc:
+        proc.kill()
+        raise SystemExit(f"node: {exc}; see {log}") from None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"node exited with {proc.returncode}; see {log}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
+                return proc, port
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -90,8 +94,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-structured-"))
     schema = tmp / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
-    port = free_port()
-    node = start_node(args.model, port, tmp / "node.log")
+    node, port = start_node(args.model, tmp / "node.log")
     runs: dict[tuple[int, str], list[float]] = {}
     try:
         for _ in range(args.rounds):

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.ports import free_port
+from pdserve.ports import free_port, wait_port_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
@@ -130,15 +130,26 @@ def _tail(log: Path, n: int = 25) -> str:
         return ""
 
 
-def start_server(name: str, cmd: list[str], env: dict, url: str, log: Path,
-                 timeout_s: float) -> tuple[subprocess.Popen, float]:
+def start_server(name: str, cmd: list[str], env: dict, where: str | Path, log: Path,
+                 timeout_s: float) -> tuple[subprocess.Popen, float, str]:
     """Start `cmd` in its own process group; ready when a real 1-token completion round-trips.
-    Returns the process and its start-up seconds (reported, never part of the figures)."""
+    `where` is its URL, or (pdserve: `--port 0 --port-file`) the file it writes its port
+    to. Returns the process, its start-up seconds (reported, never part of the figures)
+    and its URL."""
     t0 = time.monotonic()
+    if isinstance(where, Path):
+        where.unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, stdin=subprocess.DEVNULL)
     _LIVE.append(proc)
     deadline = t0 + timeout_s
+    url = where
+    if isinstance(where, Path):
+        try:
+            url = f"http://127.0.0.1:{wait_port_file(where, proc, timeout_s)}"
+        except (RuntimeError, TimeoutError) as exc:
+            stop(proc)
+            raise RuntimeError(f"{name}: {exc}; log {log}:\n{_tail(log)}") from None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             stop(proc)
@@ -148,7 +159,7 @@ def start_server(name: str, cmd: list[str], env: dict, url: str, log: Path,
             r = httpx.post(f"{url}/v1/completions", timeout=60, json={
                 "model": SERVED_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
             if r.status_code == 200:
-                return proc, time.monotonic() - t0
+                return proc, time.monotonic() - t0, str(url)
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -156,11 +167,11 @@ def start_server(name: str, cmd: list[str], env: dict, url: str, log: Path,
     raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s; log {log}:\n{_tail(log)}")
 
 
-def pdserve_cmd(args, port: int) -> list[str]:
+def pdserve_cmd(args, port_file: Path) -> list[str]:
     exe = Path(sys.executable).with_name("pdserve")
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "pdserve.cli"]
     cmd = [*base, "serve", "--model", args.pdserve_model, "--served-model-name", SERVED_NAME,
-           "--host", "127.0.0.1", "--port", str(port),
+           "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
            "--kv-cache-mb", str(int(args.kv_cache_gib * 1024)), "--log-level", "warning"]
     if args.dtype != "auto":
         cmd += ["--dtype", args.dtype]
@@ -486,15 +497,18 @@ def main() -> None:
     workdir = Path(args.log_dir or tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)
     def launch(system: str, tag: str) -> tuple[subprocess.Popen, str]:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        if system == "pdserve":
-            cmd, env = pdserve_cmd(args, port), dict(os.environ)
+        where: str | Path
+        if system == "pdserve":  # picks its port and writes it to a file
+            where = workdir / f"pdserve-server-{tag}.port"
+            cmd, env = pdserve_cmd(args, where), dict(os.environ)
         else:
+            port = free_port()  # vLLM (not our server) reports no port it picked itself
+            where = f"http://127.0.0.1:{port}"
             cmd, env = vllm_cmd(args, port), vllm_env(args)
         print(f"{tag}: starting {system}: {shlex.join(cmd)}", flush=True)
-        proc, secs = start_server(system, cmd, env, url, workdir / f"{system}-server-{tag}.log",
-                                  args.start_timeout)
+        proc, secs, url = start_server(system, cmd, env, where,
+                                       workdir / f"{system}-server-{tag}.log",
+                                       args.start_timeout)
         startup[system].append(round(secs, 1))
         print(f"{tag}: {system} ready in {secs:.0f} s (not counted)", flush=True)
         return proc, url

@@ -7,6 +7,7 @@ load at import time; FastAPI, uvicorn and redis load inside `run`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from dataclasses import fields
@@ -109,26 +110,33 @@ def run(args: argparse.Namespace) -> int:
 
     from bootstrap.app import create_app
     from bootstrap.store import StoreUnavailable, open_store
-
-    try:
-        store = open_store(config.store, key_prefix=config.key_prefix)
-        store.ping()  # fail fast: a registry that cannot reach its store serves nothing
-    except (StoreUnavailable, ValueError) as exc:
-        print(f"pdserve registry: cannot use store {config.store!r}: {exc}", file=sys.stderr)
-        return 1
-    log.info("config %s", config.describe())
-    # Access logs only at debug: every node heartbeats every TTL/3.
     from pdserve.http.guard import guarded_protocol
+    from pdserve.http.listening import ListeningServer
+    from pdserve.ports import PortInUse, bind_port
 
-    uvicorn.run(
-        create_app(config, store),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=config.log_level == "debug",
-        http=guarded_protocol(config.http),
-    )
-    return 0
+    try:  # bound first: a taken port is one clear line; 0 picks a free one
+        sock = bind_port(config.host, config.port)
+    except PortInUse as exc:
+        print(f"pdserve registry: {exc}", file=sys.stderr)
+        return 1
+    with sock:
+        try:
+            store = open_store(config.store, key_prefix=config.key_prefix)
+            store.ping()  # fail fast: a registry that cannot reach its store serves nothing
+        except (StoreUnavailable, ValueError) as exc:
+            print(f"pdserve registry: cannot use store {config.store!r}: {exc}",
+                  file=sys.stderr)
+            return 1
+        log.info("config %s", config.describe())
+        # It logs `listening on URL` and writes --port-file once it serves. Access logs
+        # only at debug: every node heartbeats every TTL/3.
+        server = ListeningServer(uvicorn.Config(
+            create_app(config, store), host=config.host, port=sock.getsockname()[1],
+            log_level=config.log_level, access_log=config.log_level == "debug",
+            http=guarded_protocol(config.http)), sock, config.port_file, log)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: a stop asked for
+            server.run()
+    return 0 if server.started else 3  # uvicorn's exit code for a failed start
 
 
 if __name__ == "__main__":

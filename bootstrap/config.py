@@ -16,7 +16,11 @@ HTTP_DEFAULTS = {"max_body_bytes": 65536, "max_connections": 1024}
 @dataclass(frozen=True)
 class RegistryConfig:
     host: str = opt("127.0.0.1", "address to bind")
-    port: int = opt(8998, "port to bind (0: any free port)")
+    port: int = opt(8998, "port to bind (0: a free one the OS picks; the registry logs it)")
+    port_file: str | None = opt(None, "once the registry serves, write its port (decimal and "
+                                      "a newline) to this file, atomically: how a parent "
+                                      "that started it with --port 0 learns the port",
+                                metavar="PATH")
     # "memory" (embedded, one process) or a Redis URL (replicas share it, restarts keep it).
     # Its flag shares a group with --store-file (bootstrap/cli.py).
     store: str = opt("memory", "'memory' (embedded, one process) or redis://HOST:PORT/DB "

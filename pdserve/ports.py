@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
 
 
 class PortInUse(RuntimeError):
@@ -11,6 +18,10 @@ class PortInUse(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago: bound and released, so another process may take
+    it before the caller's child binds it. Only for programs that cannot bind port 0 and
+    report theirs (mooncake_master, redis-server, SGLang's router); our servers take
+    `--port 0 --port-file PATH` (below)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -49,3 +60,69 @@ def bind_port(host: str, port: int) -> socket.socket:
                         f"pass another --port") from exc
     return sock
 
+
+
+# -- port 0 + --port-file: how a parent learns where its child listens ----------------------
+#
+# A parent that picks a "free" port (bind 0, close, pass the number) races every other
+# process of the machine until its child binds it: on a loaded machine another test or
+# server takes it now and then. Instead a server binds port 0 itself and reports the bound
+# port: one log line `listening on URL` and, with `--port-file PATH`, the port in PATH.
+
+
+def write_port_file(path: str | os.PathLike[str], port: int) -> None:
+    """`port` as decimal + newline in `path`, atomically (a temp file beside it, then
+    os.replace): a reader never sees a half-written number."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_port_file(path: str | os.PathLike[str]) -> int | None:
+    """The port a server wrote to `path`, or None while it has not (yet)."""
+    try:
+        text = Path(path).read_text(encoding="ascii")
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    return int(text) if text.endswith("\n") and text.strip().isdigit() else None
+
+
+class _Child(Protocol):
+    def poll(self) -> int | None: ...
+
+
+def wait_port_file(path: str | os.PathLike[str], proc: _Child, timeout: float,
+                   poll_s: float = 0.05) -> int:
+    """Wait until the server `proc` (a subprocess.Popen started with `--port-file path`)
+    wrote its port, and return it. Fails at once (RuntimeError with its exit code) when the
+    process dies first; TimeoutError after `timeout` seconds. Remove a stale `path` before
+    starting the process: a file left by an earlier run would be read as this one's."""
+    deadline = time.monotonic() + timeout
+    while True:
+        port = read_port_file(path)
+        if port is not None:
+            return port
+        code = proc.poll()
+        if code is not None:
+            raise RuntimeError(f"the server exited with {code} before writing its port to "
+                               f"{path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server wrote no port to {path} within {timeout:g}s")
+        time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def refusing_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port where connections are refused for the duration of the block: bound (so no
+    other process gets it) but never listening. For "nothing listens there" checks, unlike
+    a port bound and released, which another process may take meanwhile."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        yield s.getsockname()[1]

@@ -26,7 +26,12 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
     host: str = opt("127.0.0.1", "address to bind")
-    port: int = opt(30000, "HTTP port")
+    port: int = opt(30000, "HTTP port (0: a free one the OS picks; the node logs it and "
+                           "advertises it in its registry record)")
+    port_file: str | None = opt(None, "once the node serves, write its HTTP port (decimal "
+                                      "and a newline) to this file, atomically: how a parent "
+                                      "that started it with --port 0 learns the port",
+                                metavar="PATH")
     served_model_name: str = opt("", "model name clients use (default: the --model value)")
     max_queued_requests: int = opt(256, "waiting-queue bound; beyond it requests get HTTP 429")
     request_timeout_s: float = opt(600.0, "time limit of one request; beyond it HTTP 408")
@@ -48,8 +53,8 @@ class ServerConfig:
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.max_queued_requests < 1 or self.request_timeout_s <= 0:
             raise ConfigError("--max-queued-requests and --request-timeout-s must be positive")
         if self.max_n < 1:

@@ -13,17 +13,20 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import uvicorn
 
+from pdserve.http.listening import ListeningServer
+
 log = logging.getLogger("pdserve.node")
 
 
-class NodeServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config,
+class NodeServer(ListeningServer):
+    def __init__(self, config: uvicorn.Config, sock: socket.socket, port_file: str | None,
                  drain: Callable[[], Awaitable[None]] | None = None) -> None:
-        super().__init__(config)
+        super().__init__(config, sock, port_file, log)
         self._drain = drain
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -75,6 +76,8 @@ def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     http_sock = bind_port(cfg.host, cfg.port)  # listens only once the node is ready
+    # --port 0: the OS picked the port; the record, /server_info and the logs say which.
+    cfg = dataclasses.replace(cfg, port=http_sock.getsockname()[1])
     if cfg.role == "prefill" and cfg.pd and cfg.pd.bootstrap_port:  # before loading any
         check_port_free(cfg.host, cfg.pd.bootstrap_port)
     from pdserve.models.builtin import resolve_model
@@ -183,11 +186,13 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
     app = build_app(front, lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.http.max_body_bytes)
     # After a drain the open requests are done (or given up): uvicorn need not wait long.
+    # It logs `listening on URL` and writes --port-file once it serves: after the node
+    # listens and registers (docs/architecture.md: Interfaces).
     server = NodeServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=2 if cfg.pd is not None else GRACEFUL_S,
         access_log=cfg.log_level == "debug", http=guarded_protocol(cfg.http)),
-        drain if cfg.pd is not None else None)
+        http_sock, cfg.port_file, drain if cfg.pd is not None else None)
     async def exit_when_the_scheduler_dies():
         await client.died.wait()
         log.critical("the scheduler process died (exit code %s): this node exits 1 in %gs",
@@ -196,9 +201,9 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
         server.should_exit = True
 
     watcher = asyncio.ensure_future(exit_when_the_scheduler_dies())
-    log.info("serving %s (%s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
+    log.info("serving %s (%s)", cfg.model_name, cfg.role)
     try:
-        await server.serve(sockets=[http_sock])
+        await server.serve()
     finally:
         watcher.cancel()
     ctx.term()

@@ -26,6 +26,7 @@ def sglang_server_info(front: Frontend) -> dict:
     mode = {"prefill": "prefill", "decode": "decode"}.get(front.cfg.role, "null")
     return {"model_path": front.cfg.engine.model, "served_model_name": front.cfg.model_name,
             "tokenizer_path": front.cfg.engine.model, "disaggregation_mode": mode,
+            "host": front.cfg.host, "port": front.cfg.port,  # the bound one, for --port 0
             "disaggregation_bootstrap_port": front.bootstrap_port, "tp_size": 1, "dp_size": 1,
             "page_size": ready.page_size, "max_total_num_tokens": ready.max_total_tokens,
             "version": VERSION}

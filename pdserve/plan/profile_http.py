@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,17 +40,12 @@ from pdserve.config import EngineConfig
 from pdserve.loadtest.backends import RequestSpec
 from pdserve.loadtest.client import send_request
 from pdserve.loadtest.dataset import Prompt
+from pdserve.ports import wait_port_file
 
 
 def _command(proc: subprocess.Popen) -> str:
     """`pdserve router` or the like: the two words after `python -m`."""
     return " ".join(str(a) for a in list(proc.args)[2:4])  # type: ignore[arg-type]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine_flags(cfg: EngineConfig, model: bool = True) -> list[str]:
@@ -114,23 +108,37 @@ def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: fl
         time.sleep(0.5)
 
 
-def _measure(cmd: list[str], port: int, ids: list[int], new: int, reps: int,
+def _measure(cmd: list[str], ids: list[int], new: int, reps: int,
              timeout_s: float) -> tuple[float, float, list[float], list[float]]:
-    """Start `cmd` (serving on `port`), time the path, stop it and its children."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    """Start `cmd` (`pdserve serve` or `up`, on a port it picks and writes to a file),
+    time the path, stop it and its children."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-profile-port-") as folder:
+        port_file = os.path.join(folder, "port")
+        proc = subprocess.Popen([*cmd, "--port", "0", "--port-file", port_file],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            port = wait_port_file(port_file, proc, timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            _stop(proc)
+            raise RuntimeError(f"`{_command(proc)}`: {exc}") from None
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(timeout=60) as client:
             _ready(client, proc, url, timeout_s)
         return _typical(url, ids, new, reps)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to its process group, SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def overheads(prof, prompt: int, new: int, colocated: tuple,
@@ -187,16 +195,13 @@ def measure_overheads(cfg: EngineConfig, prof, backend: str = "tcp", pd: bool = 
     ids = [100 + i for i in range(prompt)]
     flags = _engine_flags(cfg)
     base = [sys.executable, "-m", "pdserve.cli"]
-    port = _free_port()
-    colo = _measure([*base, "serve", *flags, "--port", str(port)], port, ids, new, reps,
-                    timeout_s)
+    colo = _measure([*base, "serve", *flags], ids, new, reps, timeout_s)
     stack = None
     if pd:
-        port = _free_port()
         with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as logs:
             cmd = [*base, "up", "--model", cfg.model, "--prefill", "1", "--decode", "1",
-                   "--port", str(port), "--registry-port", "0", "--transfer-backend",
+                   "--registry-port", "0", "--transfer-backend",
                    backend, "--log-dir", logs, "--node-args",
                    " ".join(_engine_flags(cfg, model=False))]
-            stack = _measure(cmd, port, ids, new, reps, timeout_s)
+            stack = _measure(cmd, ids, new, reps, timeout_s)
     return overheads(prof, prompt, new, colo, stack)

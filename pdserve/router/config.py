@@ -29,7 +29,11 @@ class RouterConfig:
     registry_token_file: str = _opt("", "read --registry-token from this file (a mounted "
                                         "Secret: the token stays out of the process list)")
     host: str = _opt("127.0.0.1", "address to bind")
-    port: int = _opt(8000, "HTTP port")
+    port: int = _opt(8000, "HTTP port (0: a free one the OS picks; the router logs it)")
+    port_file: str | None = _opt(None, "once the router serves, write its HTTP port (decimal "
+                                       "and a newline) to this file, atomically: how a "
+                                       "parent that started it with --port 0 learns the port",
+                                 metavar="PATH")
     model: str = _opt("", "model served (built-in name, local HF folder or Hub id ORG/NAME); "
                           "empty: the model the first registered node serves. Nodes serving "
                           "another are ignored")
@@ -84,8 +88,8 @@ class RouterConfig:
         url = urlsplit(self.registry)
         if url.scheme not in ("http", "https") or not url.netloc:
             raise ConfigError(f"--registry {self.registry!r}: expected http://HOST:PORT")
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         positive = {"--registry-poll-s": self.registry_poll_s,
                     "--max-running-requests": self.max_running_requests,
                     "--queue-timeout-s": self.queue_timeout_s,

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
+import socket
 
 import uvicorn
 
 from pdserve.http.body_limit import BodyLimitMiddleware
 from pdserve.http.guard import guarded_protocol
-from pdserve.ports import check_port_free
+from pdserve.http.listening import ListeningServer
+from pdserve.ports import bind_port
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.gateway import Gateway
@@ -35,32 +38,36 @@ def serve(cfg: RouterConfig) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.log_level != "debug":  # one line per registry poll and per leg otherwise
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    check_port_free(cfg.host, cfg.port)
-    # With --model the tokenizer loads now, so a wrong model fails at start, not per request.
-    tokenizer = RouterTokenizer(cfg.model, cfg.model_cache_dir, cfg.chat_template,
-                                cfg.revision) \
-        if cfg.model else None
-    return asyncio.run(_serve_async(cfg, tokenizer))
+    # Bound now (a taken port fails before the tokenizer loads; 0 picks a free one) and
+    # listening once uvicorn serves, which then logs the port and writes --port-file.
+    with bind_port(cfg.host, cfg.port) as sock:
+        cfg = dataclasses.replace(cfg, port=sock.getsockname()[1])
+        # With --model the tokenizer loads now: a wrong model fails at start, not per request.
+        tokenizer = RouterTokenizer(cfg.model, cfg.model_cache_dir, cfg.chat_template,
+                                    cfg.revision) \
+            if cfg.model else None
+        return asyncio.run(_serve_async(cfg, tokenizer, sock))
 
 
-async def _serve_async(cfg: RouterConfig, tokenizer: RouterTokenizer | None) -> int:
+async def _serve_async(cfg: RouterConfig, tokenizer: RouterTokenizer | None,
+                       sock: socket.socket) -> int:
     gw = Gateway(cfg, tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await gw.start()
-        log.info("router on http://%s:%d, registry %s: %s", cfg.host, cfg.port, cfg.registry,
+        log.info("router on port %d, registry %s: %s", cfg.port, cfg.registry,
                  gw.table.counts())
         yield
         await gw.close()
 
     app = build_app(gw, lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.http.max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(
+    server = ListeningServer(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         # uvicorn's type hint says int; it takes seconds as a float
         timeout_graceful_shutdown=cfg.drain_timeout_s,  # type: ignore[arg-type]
         access_log=cfg.log_level == "debug",
-        http=guarded_protocol(cfg.http)))
+        http=guarded_protocol(cfg.http)), sock, cfg.port_file, log)
     await server.serve()
     return 0

@@ -15,17 +15,38 @@ from pathlib import Path
 
 import httpx
 
-PORT_TAKEN = ("address already in use", "cannot listen on", "port is already in use")
+from pdserve.netaddr import http_url
+from pdserve.ports import read_port_file
 
 
 class Child:
-    def __init__(self, name: str, cmd: list[str], log_path: Path, url: str,
-                 health_path: str = "/health") -> None:
-        self.name, self.cmd, self.log_path, self.url = name, cmd, log_path, url
-        self.health_url = url + health_path
+    """`url` is known up front, or (`port_file`: the child was started with `--port 0
+    --port-file PORT_FILE`) once the child has written its port there."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, url: str = "",
+                 health_path: str = "/health", port_file: Path | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.name, self.cmd, self.log_path = name, cmd, log_path
+        self.port_file, self.host, self.health_path = port_file, host, health_path
+        self.url = url
+        self.port: int | None = None  # from the port file
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def health_url(self) -> str:
+        return self.url + self.health_path
+
+    def located(self) -> bool:
+        """Whether its URL is known (read from its port file once it wrote it)."""
+        if not self.url and self.port_file is not None:
+            self.port = read_port_file(self.port_file)
+            if self.port is not None:
+                self.url = http_url(self.host, self.port)
+        return bool(self.url)
+
     def start(self) -> Child:
+        if self.port_file is not None:  # one from an earlier run in this --log-dir
+            self.port_file.unlink(missing_ok=True)
         guarded = [sys.executable, "-m", "pdserve.stack.guard", str(os.getpid()), *self.cmd]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:
@@ -44,6 +65,8 @@ class Child:
         return None if self.proc is None else self.proc.poll()
 
     def healthy(self, client: httpx.Client) -> bool:
+        if not self.located():
+            return False
         try:
             return client.get(self.health_url, timeout=2.0).status_code == 200
         except httpx.HTTPError:
@@ -54,10 +77,6 @@ class Child:
             return self.log_path.read_text(errors="replace")[-chars:]
         except FileNotFoundError:
             return ""
-
-    def lost_port_race(self) -> bool:
-        tail = self.log_tail(4000).lower()
-        return self.exited() is not None and any(s in tail for s in PORT_TAKEN)
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

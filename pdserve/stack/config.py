@@ -31,6 +31,10 @@ class StackConfig:
     host: str = _opt("127.0.0.1", "address the router binds (the rest stay on loopback)")
     port: int = _opt(8000, "router port (0: any free port)")
     registry_port: int = _opt(0, "registry port (0: any free port)")
+    port_file: str | None = _opt(None, "once the whole stack serves, write the router's port "
+                                       "(decimal and a newline) to this file, atomically: "
+                                       "how a parent that started it with --port 0 learns "
+                                       "the port", metavar="PATH")
     transfer_backend: str = _opt("", "KV transfer backend of the nodes: mooncake or tcp "
                                      "(empty: mooncake where it loads, else tcp)",
                                  choices=TRANSFER_BACKENDS,

@@ -37,6 +37,7 @@ def start_master(log_dir: Path, deadline: float) -> tuple[Child, list[str]]:
     if binary is None:
         raise RuntimeError("mooncake_master not found (it ships in the Mooncake wheel: "
                            "pip install 'pdserve[mooncake]')")
+    # free_port: mooncake_master takes no port 0 and reports none (not our server).
     rpc, http = free_port(), free_port()
     child = Child("kv-store", [binary, "--enable_http_metadata_server=true",
                                f"--http_metadata_server_port={http}", f"--rpc_port={rpc}"],

@@ -2,15 +2,16 @@
 a child process on a loopback port, started, watched until healthy, and stopped.
 
 Start order: the model is resolved once here (a first run converts smollm2-135m once, not
-in every child at the same time); the registry comes up first (on a port it picks itself,
-so no race for it), then every node and the router start together. A node or a
-free-port router that lost its port to another process between our check and its bind
-is restarted on a new port. Stop order: router (no new requests), nodes, registry.
+in every child at the same time); the registry comes up first, then every node and the
+router start together. Each child binds port 0 (the router: --port, 0 by default in
+`demo`) and writes the port it got to `<log dir>/<name>.port` once it serves
+(`--port-file`), where the stack reads it: no port is picked here and handed to a child
+later, which another process could take meanwhile. Stop order: router (no new
+requests), nodes, registry.
 """
 
 from __future__ import annotations
 
-import re
 import shlex
 import signal
 import sys
@@ -24,15 +25,13 @@ import httpx
 from pdserve.config import EngineConfig
 from pdserve.cpus import split_cores, usable_cores
 from pdserve.devices import kv_device_type, torch_cuda_version
-from pdserve.ports import check_port_free, free_port
+from pdserve.ports import check_port_free, write_port_file
 from pdserve.stack.child import Child
 from pdserve.stack.config import StackConfig
 from pdserve.stack.kv_store import start_master
 
 LOOPBACK = "127.0.0.1"
-PORT_RETRIES = 3
 MEM_FRACTION_STATIC = EngineConfig.mem_fraction_static  # a node's default share of its GPU
-_REGISTRY_PORT = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 class StackError(RuntimeError):
@@ -47,7 +46,6 @@ class Member:
     child: Child
     role: str = ""  # prefill | decode for nodes
     ready: bool = False
-    retries: int = 0
 
 
 class Stack:
@@ -57,7 +55,6 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.members: list[Member] = []
         self.registry_url = ""
-        self.router_url = ""
         self.backend = cfg.transfer_backend
         self.node_threads = cfg.node_threads or split_cores(cfg.prefill + cfg.decode)
         self.http = httpx.Client(trust_env=False)
@@ -85,30 +82,39 @@ class Stack:
         self._start_kv_store(t0 + cfg.startup_timeout_s)
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for i in range(count):
-                self.members.append(self._node(f"{role}-{i}", role, free_port()))
-        self.members.append(self._router(cfg.port or free_port()))
+                self.members.append(self._node(f"{role}-{i}", role))
+        router = self._router()
+        self.members.append(router)
         for m in self.members:
             if m.role or m.name == "router":  # the registry and kv-store already run
                 m.child.start()
         self._wait_ready(t0 + cfg.startup_timeout_s)
+        if cfg.port_file and router.child.port is not None:  # once the whole stack serves
+            write_port_file(cfg.port_file, router.child.port)
         return self
 
+    @property
+    def router_url(self) -> str:
+        """The router's URL, once it reported its port ("" before)."""
+        return next((m.child.url for m in self.members if m.name == "router"), "")
+
+    def _port_file(self, name: str) -> Path:
+        return self.log_dir / f"{name}.port"
+
     def _start_registry(self, deadline: float) -> None:
-        port = self.cfg.registry_port
-        cmd = [sys.executable, "-m", "bootstrap.cli", "--host", LOOPBACK, "--port", str(port)]
+        port_file = self._port_file("registry")
+        cmd = [sys.executable, "-m", "bootstrap.cli", "--host", LOOPBACK, "--port",
+               str(self.cfg.registry_port), "--port-file", str(port_file)]
         if self.cfg.registry_token:
             cmd += ["--token-file", self._token_file()]
-        child = Child("registry", cmd, self.log_dir / "registry.log", "")
+        child = Child("registry", cmd, self.log_dir / "registry.log", port_file=port_file)
         self.members.append(Member("registry", child))
         child.start()
         while time.monotonic() < deadline:
-            found = _REGISTRY_PORT.findall(child.log_tail(20000))
-            if found:
-                self.registry_url = child.url = f"http://{LOOPBACK}:{found[-1]}"
-                child.health_url = self.registry_url + "/health"
-                if child.healthy(self.http):
-                    self.members[0].ready = True
-                    return
+            if child.healthy(self.http):
+                self.registry_url = child.url
+                self.members[0].ready = True
+                return
             if child.exited() is not None:
                 raise StackError(f"the registry exited with {child.exited()}:\n"
                                  f"{child.log_tail()}")
@@ -133,11 +139,11 @@ class Stack:
             flags += ["--hicache-storage-path", folder]
         self.storage_flags = flags
 
-    def _node(self, name: str, role: str, port: int) -> Member:
+    def _node(self, name: str, role: str) -> Member:
         cfg = self.cfg
-        url = f"http://{LOOPBACK}:{port}"
-        common = ["--model", cfg.model, "--host", LOOPBACK, "--port", str(port),
-                  "--load-format", cfg.load_format]
+        port_file = self._port_file(name)
+        common = ["--model", cfg.model, "--host", LOOPBACK, "--port", "0", "--port-file",
+                  str(port_file), "--load-format", cfg.load_format]
         if cfg.revision:
             common += ["--revision", cfg.revision]
         cmd = [sys.executable, "-m", "pdserve.cli", role, *common,
@@ -149,7 +155,8 @@ class Stack:
         if role == "prefill":
             cmd += self.storage_flags
         cmd += cfg.node_argv(role)  # last: its flags win (argparse keeps the last)
-        return Member(name, Child(name, cmd, self.log_dir / f"{name}.log", url), role)
+        return Member(name, Child(name, cmd, self.log_dir / f"{name}.log",
+                                  port_file=port_file), role)
 
     def _token_file(self) -> str:
         """The registry token as a file only we can read: never in a child's argv."""
@@ -193,19 +200,21 @@ class Stack:
                         "auto"))
         return kv_device_type(dev)
 
-    def _router(self, port: int) -> Member:
+    def _router(self) -> Member:
         cfg = self.cfg
         host = LOOPBACK if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-        self.router_url = f"http://{host}:{port}"
+        port_file = self._port_file("router")
+        # --port: the user's port, or 0 (the router picks one and reports it)
         cmd = [sys.executable, "-m", "pdserve.cli", "router", "--registry", self.registry_url,
-               "--host", cfg.host, "--port", str(port), "--model", cfg.model]
+               "--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file),
+               "--model", cfg.model]
         if cfg.revision:
             cmd += ["--revision", cfg.revision]
         if cfg.registry_token:
             cmd += ["--registry-token-file", self._token_file()]
         cmd += shlex.split(cfg.router_args)
         return Member("router", Child("router", cmd, self.log_dir / "router.log",
-                                      self.router_url))
+                                      port_file=port_file, host=host))
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
@@ -223,10 +232,6 @@ class Stack:
     def _check(self, m: Member) -> None:
         code = m.child.exited()
         if code is not None:
-            if m.child.lost_port_race() and m.retries < PORT_RETRIES and (
-                    m.name != "router" or not self.cfg.port):
-                self._restart_on_new_port(m)
-                return
             raise StackError(f"{m.name} exited with {code} during start-up "
                              f"(log {m.child.log_path}):\n{m.child.log_tail()}")
         if not m.child.healthy(self.http):
@@ -235,13 +240,6 @@ class Stack:
             return  # a node registers itself once its engine is up; wait for the record
         m.ready = True
         self.say(f"  {m.name:<10} ready  {m.child.url}")
-
-    def _restart_on_new_port(self, m: Member) -> None:
-        fresh = self._router(free_port()) if m.name == "router" else self._node(
-            m.name, m.role, free_port())
-        fresh.retries = m.retries + 1
-        self.members[self.members.index(m)] = fresh
-        fresh.child.start()
 
     def _registered(self, node_id: str) -> bool:
         try:

@@ -3,8 +3,8 @@
 Every registry runs as `python -m bootstrap.cli ...` (the code of `pdserve registry`,
 without loading the engine's subcommands; test_registry_cli checks the `pdserve` wiring)
 on a port it picks itself
-(`--port 0`; the port is read from uvicorn's startup line, so two tests never race for
-one) and is stopped by the fixture that started it. Redis keys live under a prefix unique
+(`--port 0`; the port is read from its `--port-file`, so two tests never race for one)
+and is stopped by the fixture that started it. Redis keys live under a prefix unique
 to the fixture and are deleted afterwards. (A module with a unique name rather than
 conftest.py, so test files can import it without clashing with other packages' tests.)
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -29,14 +28,16 @@ from urllib.parse import urlsplit
 import httpx
 import redis
 
-from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+from pdserve.ports import (
+    free_port,  # noqa: F401 (re-exported: a port known in advance)
+    wait_port_file,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("PDSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 TOKEN = "test-token-Zq8"
 ENTRY = [sys.executable, "-m", "bootstrap.cli"]
 PDSERVE_ENTRY = [sys.executable, "-m", "pdserve.cli", "registry"]
-_PORT_LINE = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 class Registry:
@@ -47,7 +48,8 @@ class Registry:
     ) -> None:
         self.args, self.store, self.entry = args, store, entry
         self.port = 0
-        self.log_path = log_dir / f"registry-{uuid.uuid4().hex[:8]}.log"
+        name = f"registry-{uuid.uuid4().hex[:8]}"
+        self.log_path, self.port_file = log_dir / f"{name}.log", log_dir / f"{name}.port"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -56,20 +58,23 @@ class Registry:
 
     def start(self, port: int | None = None, timeout_s: float = 30.0) -> Registry:
         port = self.port if port is None else port
-        cmd = [*self.entry, "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--log-level", "info", *self.args]
+        cmd = [*self.entry, "--host", "127.0.0.1", "--port", str(port), "--port-file",
+               str(self.port_file), "--log-level", "info", *self.args]
+        self.port_file.unlink(missing_ok=True)  # the previous start's
         with open(self.log_path, "ab") as log:
-            log_start = log.tell()  # look for this start's port line only
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
+        try:
+            self.port = wait_port_file(self.port_file, self.proc, timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise RuntimeError(f"registry: {exc}:\n{self.log()}") from None
+        assert port in (0, self.port), (port, self.port)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"registry exited {self.proc.returncode}:\n{self.log()}")
-            found = _PORT_LINE.findall(self.log_path.read_bytes()[log_start:])
-            if found and (port == 0 or int(found[-1]) == port):
-                self.port = int(found[-1])
-                if _healthy(self.url):
-                    return self
+            if _healthy(self.url):
+                return self
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"registry did not come up in {timeout_s}s:\n{self.log()}")

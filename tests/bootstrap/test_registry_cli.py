@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from registry_harness import ENTRY, PDSERVE_ENTRY, REPO, Registry
 from bootstrap import cli
 from bootstrap.config import RegistryConfig
 from pdserve.http.limits import HttpLimits
+from pdserve.ports import wait_port_file
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +31,7 @@ def test_help_lists_every_knob(capsys) -> None:
     for flag in (
         "--host",
         "--port",
+        "--port-file",
         "--store",
         "--store-file",
         "--key-prefix",
@@ -137,3 +140,30 @@ def test_client_and_cli_import_no_heavy_modules() -> None:
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=30)
+
+
+def test_port_0_serves_on_the_port_it_writes_to_the_port_file(tmp_path) -> None:
+    """--port 0 --port-file: the registry binds a port the OS picks, serves on it, and
+    reports the same number in its one `listening on` line and in the file."""
+    port_file, log = tmp_path / "registry.port", tmp_path / "registry.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*ENTRY, "--port", "0", "--port-file", str(port_file)],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        port = wait_port_file(port_file, proc, 30)
+        assert port_file.read_text() == f"{port}\n"
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        logged = re.findall(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text())
+        assert logged == [str(port)], log.read_text()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_server_that_dies_before_its_port_file_fails_fast(tmp_path) -> None:
+    proc = subprocess.Popen([*ENTRY, "--port", "0", "--port-file", str(tmp_path / "p"),
+                             "--store", "redis://127.0.0.1:1/0"], cwd=REPO,
+                            stderr=subprocess.DEVNULL)
+    with pytest.raises(RuntimeError, match="exited with 1 before writing its port"):
+        wait_port_file(tmp_path / "p", proc, 30)

@@ -82,7 +82,7 @@ def test_backoff_while_registry_is_down_then_reregisters(start_registry) -> None
 
 
 def test_node_may_start_before_the_registry(start_registry) -> None:
-    port = free_port()
+    port = free_port()  # the client needs the URL before any registry exists to report one
     record = node_record(ttl_s=3.0)
     with RegistryClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as client:
         assert client.register(record) is None  # unreachable: keeps trying in the background

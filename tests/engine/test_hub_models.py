@@ -19,7 +19,6 @@ from hub_server import COMMIT, HubServer, sharded_copy
 from safetensors.torch import load_file, save_file
 
 from pdserve.models.loader import load_model
-from pdserve.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -187,7 +186,7 @@ def test_a_private_repository_needs_hf_token(repo, tmp_path):
     with HubServer({"acme/private": repo}, token="hf_s3cret") as hub:
         cli = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "serve", "--model", "acme/private",
-             "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=120,
+             "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120,
             env={**os.environ, **hub_env(hub, tmp_path)})
         with_token = try_resolve([("acme/private", {"weights": False})],
                                  hub_env(hub, tmp_path, HF_TOKEN="hf_s3cret"))

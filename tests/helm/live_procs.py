@@ -1,12 +1,12 @@
-"""Real processes for the chart tests that run what the chart renders: free ports, a
-process in its own session that is always killed as a group, and waiting for HTTP."""
+"""Real processes for the chart tests that run what the chart renders: a process in its own
+session that is always killed as a group, the port it picked (`--port 0 --port-file`),
+and waiting for HTTP."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +14,23 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import (
+    free_port,  # noqa: F401 (re-exported: redis-server's port)
+    wait_port_file,
+)
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240  # model load and the scheduler process on a loaded machine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def serving_port(port_file: Path, proc: subprocess.Popen, log: Path,
+                 timeout_s: float = START_TIMEOUT_S) -> int:
+    """The port `proc` (one of our servers, started with `--port 0 --port-file port_file`)
+    serves on; fails with its log when it dies first or writes none in time."""
+    try:
+        return wait_port_file(port_file, proc, timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        raise AssertionError(f"{exc}:\n{log.read_text(errors='replace')[-3000:]}") from None
 
 
 @contextlib.contextmanager

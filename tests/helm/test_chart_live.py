@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from live_procs import free_port, pdserve, running, wait_http
+from live_procs import free_port, pdserve, running, serving_port, wait_http
 from manifests import FULLNAME, get, main_container, pdserve_argv, tier
 
 PASSWORD = "pw-for-the-test"
@@ -28,7 +28,7 @@ def _secret(docs, name: str, key: str) -> str:
 
 
 def test_rendered_redis_requires_its_password_and_the_registry_uses_it(render, tmp_path):
-    port = free_port()
+    port = free_port()  # redis-server (not our server) reports no port it picked itself
     docs = render(None, {"redis.auth.password": f'"{PASSWORD}"', "redis.port": str(port),
                          "registry.auth.token": '"t"'})
     redis = main_container(tier(docs, "redis"))
@@ -54,13 +54,14 @@ def test_rendered_redis_requires_its_password_and_the_registry_uses_it(render, t
         (tmp_path / "url").write_text(url.replace(f"{FULLNAME}-redis", "127.0.0.1"))
         (tmp_path / "token").write_text(_secret(docs, f"{FULLNAME}-registry-token", "token"))
         argv = pdserve_argv(main_container(tier(docs, "registry")))
-        reg_port = free_port()
         files = {"/etc/pdserve/registry-store/url": str(tmp_path / "url"),
                  "/etc/pdserve/registry-token/token": str(tmp_path / "token")}
         argv = [files.get(a, a) for a in argv]
-        argv[argv.index("--port") + 1] = str(reg_port)
+        argv[argv.index("--port") + 1] = "0"
         argv[argv.index("--host") + 1] = "127.0.0.1"
+        argv += ["--port-file", str(tmp_path / "registry.port")]
         with running(pdserve(*argv), tmp_path / "registry.log") as reg:
+            reg_port = serving_port(tmp_path / "registry.port", reg, tmp_path / "registry.log")
             base = f"http://127.0.0.1:{reg_port}"
             wait_http(f"{base}/readyz", reg, tmp_path / "registry.log")
             r = httpx.get(f"{base}/readyz", timeout=5).json()
@@ -85,23 +86,26 @@ def live_metrics(tmp_path_factory) -> dict[str, set[str]]:
     """Sample names at /metrics of a real prefill node (with HiCache), decode node and
     router (tiny-llama, tcp), after one request went through them."""
     tmp = tmp_path_factory.mktemp("m")
-    reg_port = free_port()
-    registry = f"http://127.0.0.1:{reg_port}"
+    roles = ("prefill", "decode", "router")
+    logs = {role: tmp / f"{role}.log" for role in ("registry", *roles)}
+    files = {role: tmp / f"{role}.port" for role in logs}
+
+    def where(role: str) -> tuple[str, ...]:  # every server picks its port and reports it
+        return ("--port", "0", "--port-file", str(files[role]))
+
     out: dict[str, set[str]] = {}
-    with running(pdserve("registry", "--port", str(reg_port)), tmp / "registry.log") as reg:
-        wait_http(f"{registry}/readyz", reg, tmp / "registry.log")
-        ports = {role: free_port() for role in ("prefill", "decode", "router")}
-        logs = {role: tmp / f"{role}.log" for role in ports}
+    with running(pdserve("registry", *where("registry")), logs["registry"]) as reg:
+        registry = f"http://127.0.0.1:{serving_port(files['registry'], reg, logs['registry'])}"
+        wait_http(f"{registry}/readyz", reg, logs["registry"])
         node = ("--model", "tiny-llama", "--registry", registry, "--transfer-backend", "tcp")
-        with running(pdserve("prefill", *node, "--port", str(ports["prefill"]),
+        with running(pdserve("prefill", *node, *where("prefill"),
                              "--enable-hierarchical-cache"), logs["prefill"]) as p, \
-             running(pdserve("decode", *node, "--port", str(ports["decode"])),
-                     logs["decode"]) as d, \
-             running(pdserve("router", "--registry", registry, "--port",
-                             str(ports["router"]), "--model", "tiny-llama",
-                             "--registry-poll-s", "0.2"), logs["router"]) as r:
+             running(pdserve("decode", *node, *where("decode")), logs["decode"]) as d, \
+             running(pdserve("router", "--registry", registry, *where("router"), "--model",
+                             "tiny-llama", "--registry-poll-s", "0.2"), logs["router"]) as r:
             procs = {"prefill": p, "decode": d, "router": r}
-            urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+            urls = {role: f"http://127.0.0.1:{serving_port(files[role], proc, logs[role])}"
+                    for role, proc in procs.items()}
             for role, proc in procs.items():
                 wait_http(f"{urls[role]}/readyz" if role != "router" else
                           f"{urls[role]}/health", proc, logs[role])

@@ -20,7 +20,7 @@ from hf_reference import hf_greedy
 
 from pdserve import LLM, SamplingParams
 from pdserve.cache.kv_storage import MooncakeStorage
-from pdserve.ports import free_port
+from pdserve.ports import free_port, refusing_port
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-llama"
@@ -35,6 +35,7 @@ def master_binary() -> str:
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory) -> Iterator[tuple[str, str]]:
+    # free_port: mooncake_master (not our server) takes no port 0 and reports none.
     rpc, http = free_port(), free_port()
     log = tmp_path_factory.mktemp("mooncake") / "master.log"
     proc = subprocess.Popen([master_binary(), "--enable_http_metadata_server=true",
@@ -118,19 +119,20 @@ def test_second_engine_reads_what_the_first_computed(master):
 
 
 def test_unreachable_master_serves_without_the_tier():
-    dead = f"127.0.0.1:{free_port()}"
-    llm = LLM(MODEL, max_total_tokens=1024, enable_hierarchical_cache=True,
-              hicache_storage_backend="mooncake", hicache_mooncake_master=dead,
-              hicache_mooncake_metadata_url=f"http://127.0.0.1:{free_port()}/metadata")
-    try:
-        ids = list(range(300, 500))
-        out = llm.generate([ids], SamplingParams(max_new_tokens=4, temperature=0.0,
-                                                 ignore_eos=True))[0].output_ids
-        assert out == list(hf_greedy(MODEL, tuple(ids), 4))
-        llm.engine.kv.drain_copies()
-        st = llm.engine.hicache_stats()["storage"]
-        assert st["storage_up"] == 0 and st["storage_errors"] >= 1, st
-        assert st["storage_written_pages"] == 0
-        assert llm.engine.describe()["hicache"]["storage"]["master"] == dead
-    finally:
-        llm.close()
+    with refusing_port() as master, refusing_port() as meta:  # nothing listens there
+        dead = f"127.0.0.1:{master}"
+        llm = LLM(MODEL, max_total_tokens=1024, enable_hierarchical_cache=True,
+                  hicache_storage_backend="mooncake", hicache_mooncake_master=dead,
+                  hicache_mooncake_metadata_url=f"http://127.0.0.1:{meta}/metadata")
+        try:
+            ids = list(range(300, 500))
+            out = llm.generate([ids], SamplingParams(max_new_tokens=4, temperature=0.0,
+                                                     ignore_eos=True))[0].output_ids
+            assert out == list(hf_greedy(MODEL, tuple(ids), 4))
+            llm.engine.kv.drain_copies()
+            st = llm.engine.hicache_stats()["storage"]
+            assert st["storage_up"] == 0 and st["storage_errors"] >= 1, st
+            assert st["storage_written_pages"] == 0
+            assert llm.engine.describe()["hicache"]["storage"]["master"] == dead
+        finally:
+            llm.close()

@@ -19,7 +19,7 @@ from sglang_harness import (
     Proc,
     Registry,
     SGLangRouter,
-    free_port,
+    wait_for_port,
 )
 
 
@@ -56,13 +56,13 @@ class Cluster:
 
     def pdserve_router(self) -> str:
         """pdserve's own router over the same registry; its URL once healthy."""
-        port = free_port()
-        proc = Proc("pdserve-router", [sys.executable, "-m", "pdserve.cli", "router",
-                                       "--registry", self.registry.url, "--port", str(port),
-                                       "--log-level", "warning"], self.log_dir)
+        proc = Proc("pdserve-router", [], self.log_dir)
+        proc.cmd = [sys.executable, "-m", "pdserve.cli", "router", "--registry",
+                    self.registry.url, "--port", "0", "--port-file", str(proc.port_file),
+                    "--log-level", "warning"]
         self.routers.append(proc)
         proc.spawn()
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{wait_for_port(proc, 240)}"
         deadline = time.monotonic() + 240
         while True:
             assert proc.alive, proc.log()

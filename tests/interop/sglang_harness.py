@@ -2,9 +2,10 @@
 real pdserve prefill/decode nodes, all on loopback (docs/architecture.md: Interfaces,
 "Behind SGLang's router"). Node processes come from tests/pd/pd_procs.py.
 
-Prefill nodes bind their bootstrap endpoint on a port they pick (`0`) and report it in
-/server_info; the router's own ports are picked free just before it starts, and the
-start is retried on another port if something took it meanwhile.
+Our servers bind port 0 and report theirs (the HTTP port in a --port-file, a prefill
+node's bootstrap endpoint in /server_info); SGLang's router cannot, so its own ports are
+picked free just before it starts, and the start is retried on another port if something
+took it meanwhile.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
-from pd_procs import Node, Proc, Registry, free_port  # noqa: E402
+from pd_procs import Node, Proc, Registry, free_port, wait_for_port  # noqa: E402
 
 SGLANG_ROUTER_VERSION = "0.3.2"  # the version this interop is proven with (pyproject test extra)
 MODEL = "tiny-llama"
@@ -46,6 +47,7 @@ class SGLangRouter(Proc):
         super().__init__("sglang-router", [], log_dir)
 
     def command(self, port: int) -> list[str]:
+        # free_port: SGLang's router (not our server) reports no port it bound itself.
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                "--host", "127.0.0.1", "--port", str(port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
@@ -58,7 +60,7 @@ class SGLangRouter(Proc):
 
     def start(self, timeout: float = 90, tries: int = 3) -> SGLangRouter:
         for _ in range(tries):
-            port = free_port()
+            port = free_port()  # see command(): a race, hence the retries
             self.cmd = self.command(port)
             self.url = f"http://127.0.0.1:{port}"
             self.spawn()
@@ -148,4 +150,4 @@ def _json_or_none(text: str):
 
 
 __all__ = ["DECODE_FLAGS", "MODEL", "Node", "PREFILL_FLAGS", "Proc", "Registry",
-           "SGLangRouter", "free_port", "post", "router_version"]
+           "SGLangRouter", "free_port", "post", "router_version", "wait_for_port"]

@@ -30,12 +30,12 @@ from sglang_harness import (
     PREFILL_FLAGS,
     SGLANG_ROUTER_VERSION,
     Node,
-    free_port,
     post,
     router_version,
 )
 
 from pdserve.http.protocol import chat_prompt_ids
+from pdserve.ports import refusing_port
 from pdserve.sampling_params import SamplingParams
 
 N = 10
@@ -227,31 +227,28 @@ def test_bad_bootstrap_addresses_are_clear_errors(cluster):
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     base = {"input_ids": random_prompt(20, seed=7200), "sampling_params": GREEDY,
             "bootstrap_room": 4242, "bootstrap_host": "127.0.0.1"}
-    cases = [
-        ({**base, "bootstrap_port": stub.server_address[1]}, 400, "page_size"),
-        ({**base, "bootstrap_port": int(decode.url.rsplit(":", 1)[1])}, 503,
-         "not the bootstrap endpoint"),
-        ({**base, "bootstrap_port": _closed_port()}, 503, "unreachable"),
-        ({k: v for k, v in base.items() if k != "bootstrap_host"}, 400, "bootstrap_host"),
-    ]
-    try:
-        for body, status, needle in cases:
-            r = httpx.post(f"{decode.url}/generate", json=body, timeout=30)
-            assert r.status_code == status, (body, r.text)
-            assert needle in r.json()["error"]["message"], r.text
-        # the same on an OpenAI route (SGLang's router sends the fields there too)
-        r = httpx.post(f"{decode.url}/v1/completions", timeout=30, json={
-            **OPENAI, "prompt": "hi", "bootstrap_room": 1, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": stub.server_address[1]})
-        assert r.status_code == 400 and "page_size" in r.text, r.text
-    finally:
-        stub.shutdown()
-        stub.server_close()
+    with refusing_port() as closed:  # held bound, never listening: nothing answers there
+        cases = [
+            ({**base, "bootstrap_port": stub.server_address[1]}, 400, "page_size"),
+            ({**base, "bootstrap_port": int(decode.url.rsplit(":", 1)[1])}, 503,
+             "not the bootstrap endpoint"),
+            ({**base, "bootstrap_port": closed}, 503, "unreachable"),
+            ({k: v for k, v in base.items() if k != "bootstrap_host"}, 400, "bootstrap_host"),
+        ]
+        try:
+            for body, status, needle in cases:
+                r = httpx.post(f"{decode.url}/generate", json=body, timeout=30)
+                assert r.status_code == status, (body, r.text)
+                assert needle in r.json()["error"]["message"], r.text
+            # the same on an OpenAI route (SGLang's router sends the fields there too)
+            r = httpx.post(f"{decode.url}/v1/completions", timeout=30, json={
+                **OPENAI, "prompt": "hi", "bootstrap_room": 1, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": stub.server_address[1]})
+            assert r.status_code == 400 and "page_size" in r.text, r.text
+        finally:
+            stub.shutdown()
+            stub.server_close()
     decode.wait_pools_full()
-
-
-def _closed_port() -> int:
-    return free_port()  # bound and released: nothing listens there
 
 
 @pytest.fixture

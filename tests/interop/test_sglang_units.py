@@ -14,7 +14,7 @@ import pytest
 from pdserve.http.errors import ApiError
 from pdserve.http.protocol import ChatBody, CompletionBody, GenerateBody
 from pdserve.node.sglang_bootstrap_peer import BootstrapPeers, bootstrap_url
-from pdserve.ports import free_port
+from pdserve.ports import refusing_port
 
 LEG = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8999, "bootstrap_room": 12345}
 # What sglang-router 0.3.2 posts to both workers for a client's /generate.
@@ -86,14 +86,15 @@ def test_bootstrap_url_brackets_ipv6():
 
 def test_unreachable_bootstrap_address_is_503():
     with pytest.raises(ApiError) as e:
-        asyncio.run(BootstrapPeers(timeout_s=2).lookup("127.0.0.1", free_port()))
+        with refusing_port() as port:
+            asyncio.run(BootstrapPeers(timeout_s=2).lookup("127.0.0.1", port))
     assert e.value.status == 503 and "unreachable" in e.value.message
     assert e.value.code == "prefill_node_unavailable"
 
 
 def _node(role: str, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve.cli", role, "--model", "tiny-llama",
-                           "--registry", "http://127.0.0.1:9", "--port", str(free_port()),
+                           "--registry", "http://127.0.0.1:9", "--port", "0",
                            *flags], capture_output=True, text=True, timeout=120)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,26 +12,22 @@ import httpx
 import pytest
 
 from pdserve.cli import main
+from pdserve.ports import wait_port_file
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory):
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    folder = tmp_path_factory.mktemp("serve")
+    log = open(folder / "serve.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny-llama", "--port",
-         str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+         "0", "--port-file", str(folder / "port")], cwd=REPO, stdout=log,
+        stderr=subprocess.STDOUT)
     try:
+        url = f"http://127.0.0.1:{wait_port_file(folder / 'port', proc, 180)}"
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert proc.poll() is None, "pdserve serve exited during start-up"

@@ -3,6 +3,7 @@ read its state (/server_info), its errors and its SSE streams."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -14,11 +15,12 @@ from pathlib import Path
 import httpx
 
 from pdserve.loadtest.server_info import server_info_after
-from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+from pdserve.ports import wait_port_file
 
 MODEL = "tiny-llama"
 STARTUP_TIMEOUT_S = 180  # ~10-20 s on a quiet 2-core machine; loaded CI is slower
 REPO = Path(__file__).resolve().parents[2]
+_SERIAL = itertools.count(1)  # names the files of each server of this test process
 
 
 def serve_cmd(*flags: str, port: int | None = None, model: str = MODEL) -> list[str]:
@@ -54,15 +56,17 @@ def is_alive(pid: int, start_time: str) -> bool:
 
 
 class Server:
-    """`pdserve serve --model tiny-llama --port <free> *flags`, in its own session so that a
-    last-resort kill of its process group cannot reach pytest."""
+    """`pdserve serve --model tiny-llama --port 0 --port-file F *flags`, in its own session
+    so that a last-resort kill of its process group cannot reach pytest; `port` and `url`
+    are known once `start()` read the port the server picked."""
 
     def __init__(self, *flags: str, log_dir: Path) -> None:
         self.flags = list(flags)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        self.tmp_dir = log_dir / f"tmp-{self.port}"  # the server's TMPDIR (IPC sockets)
+        serial = next(_SERIAL)
+        self.port, self.url = 0, ""
+        self.log_path = log_dir / f"server-{serial}.log"
+        self.port_file = log_dir / f"server-{serial}.port"
+        self.tmp_dir = log_dir / f"tmp-{serial}"  # the server's TMPDIR (IPC sockets)
         self.proc: subprocess.Popen | None = None
         self.children: dict[int, str] = {}
         self.returncode: int | None = None
@@ -74,10 +78,17 @@ class Server:
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir),
                **self.env_extra}
+        self.port_file.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            serve_cmd(*self.flags, port=self.port), cwd=REPO, env=env, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            serve_cmd("--port-file", str(self.port_file), *self.flags, port=0), cwd=REPO,
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        try:
+            self.port = wait_port_file(self.port_file, self.proc, STARTUP_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise RuntimeError(f"pdserve serve: {exc}:\n{self.log()[-4000:]}") from None
+        self.url = f"http://127.0.0.1:{self.port}"
         while True:
             if self.proc.poll() is not None:
                 self.stop()

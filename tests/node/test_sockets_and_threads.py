@@ -1,4 +1,5 @@
-"""Listening sockets serve without Nagle; nodes of one machine split its cores.
+"""Listening sockets serve without Nagle; a server's port reaches its parent through a port
+file; nodes of one machine split its cores.
 
 Both were measured as large latency costs (docs/architecture.md: CPU threads): Nagle on a
 node's accepted sockets held every small SSE write after the first for the client's
@@ -9,12 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.cpus import split_cores, usable_cores
-from pdserve.ports import bind_port
+from pdserve.ports import (
+    bind_port,
+    read_port_file,
+    refusing_port,
+    wait_port_file,
+    write_port_file,
+)
 from pdserve.stack.config import StackConfig
 
 
@@ -49,6 +58,37 @@ def test_a_socket_without_the_tcp_protocol_keeps_nagle():
     plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     plain.bind(("127.0.0.1", 0))
     assert asyncio.run(_accepted_nodelay(plain)) == 0
+
+
+def test_port_files_are_written_whole_and_read_back(tmp_path):
+    path = tmp_path / "node.port"
+    assert read_port_file(path) is None
+    path.write_text("123")  # no newline yet: a writer that is not done
+    assert read_port_file(path) is None
+    write_port_file(path, 45678)
+    assert path.read_text() == "45678\n" and read_port_file(path) == 45678
+    assert [p.name for p in tmp_path.iterdir()] == ["node.port"]  # no temp file left
+
+
+def test_waiting_for_a_port_file_fails_fast_or_times_out(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
+    dead.wait()
+    with pytest.raises(RuntimeError, match="exited with 7 before writing its port"):
+        wait_port_file(tmp_path / "p", dead, 30)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(TimeoutError, match=r"wrote no port to .*p within 0.2s"):
+            wait_port_file(tmp_path / "p", alive, 0.2)
+        write_port_file(tmp_path / "p", 4242)
+        assert wait_port_file(tmp_path / "p", alive, 5) == 4242
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_refusing_port_refuses_while_held():
+    with refusing_port() as port, pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 @pytest.mark.parametrize("nodes,cores,want", [(1, 2, 2), (2, 2, 1), (3, 2, 1), (3, 16, 5),

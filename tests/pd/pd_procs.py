@@ -5,10 +5,10 @@ pytest), with helpers to send a request's two legs over HTTP and read /server_in
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -20,11 +20,14 @@ from pathlib import Path
 import httpx
 
 from pdserve.loadtest.server_info import server_info_after
-from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+from pdserve.ports import (
+    free_port,  # noqa: F401 (re-exported: the SGLang router's ports)
+    wait_port_file,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240  # several nodes start at once on a small machine
-_PORT_LINE = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+_SERIAL = itertools.count(1)  # tells this test process's nodes apart (ids, file names)
 
 
 class Proc:
@@ -33,11 +36,13 @@ class Proc:
     def __init__(self, name: str, cmd: list[str], log_dir: Path) -> None:
         self.name, self.cmd = name, cmd
         self.log_path = log_dir / f"{name}.log"
+        self.port_file = log_dir / f"{name}.port"  # where our servers write their port
         self.tmp_dir = log_dir / f"tmp-{name}"
         self.proc: subprocess.Popen | None = None
 
     def spawn(self) -> None:
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.port_file.unlink(missing_ok=True)  # a stale one would be read as this run's
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir),
                "OMP_NUM_THREADS": "1"}
         with open(self.log_path, "ab") as log:
@@ -76,21 +81,20 @@ class Proc:
 
 class Registry(Proc):
     def __init__(self, log_dir: Path) -> None:
-        super().__init__("registry", [sys.executable, "-m", "bootstrap.cli", "--host",
-                                      "127.0.0.1", "--port", "0", "--log-level", "info"],
-                         log_dir)
+        super().__init__("registry", [], log_dir)
+        self.cmd = [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port",
+                    "0", "--port-file", str(self.port_file), "--log-level", "info"]
         self.url = ""
 
     def start(self, timeout: float = 60) -> Registry:
         self.spawn()
+        self.url = f"http://127.0.0.1:{wait_for_port(self, timeout)}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive:
                 raise RuntimeError(f"registry exited:\n{self.log()}")
-            if found := _PORT_LINE.findall(self.log_path.read_bytes()):
-                self.url = f"http://127.0.0.1:{int(found[-1])}"
-                if _get_ok(f"{self.url}/health"):
-                    return self
+            if _get_ok(f"{self.url}/health"):
+                return self
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"registry not up after {timeout}s:\n{self.log()}")
@@ -101,22 +105,26 @@ class Registry(Proc):
 
 
 class Node(Proc):
-    """`pdserve prefill|decode --model M --registry URL --port P --transfer-backend B ...`"""
+    """`pdserve prefill|decode --model M --registry URL --port 0 --transfer-backend B ...`;
+    `port` and `url` are known once `wait_ready()` read the port the node picked."""
 
     def __init__(self, role: str, backend: str, registry: Registry, log_dir: Path,
                  model: str, flags: list[str]) -> None:
         self.role, self.backend, self.registry = role, backend, registry
-        self.port = free_port()
-        self.node_id = f"{role}-{backend}-{self.port}"
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve.cli", role, "--model", model,
-               "--registry", registry.url, "--port", str(self.port), "--node-id",
-               self.node_id, "--transfer-backend", backend, "--log-level", "warning",
-               "--loop", "overlap", *flags]  # as before auto: --disable-overlap still wins
-        super().__init__(self.node_id, cmd, log_dir)
+        self.node_id = f"{role}-{backend}-{next(_SERIAL)}"
+        self.port, self.url = 0, ""
+        super().__init__(self.node_id, [], log_dir)
+        self.cmd = [sys.executable, "-m", "pdserve.cli", role, "--model", model,
+                    "--registry", registry.url, "--port", "0", "--port-file",
+                    str(self.port_file), "--node-id", self.node_id, "--transfer-backend",
+                    backend, "--log-level", "warning",
+                    "--loop", "overlap", *flags]  # as before auto: --disable-overlap still wins
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Node:
+        """Serving (it wrote its port file: after it registered) and in the registry."""
         deadline = time.monotonic() + timeout
+        self.port = wait_for_port(self, timeout)
+        self.url = f"http://127.0.0.1:{self.port}"
         while time.monotonic() < deadline:
             if not self.alive:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during "
@@ -171,6 +179,18 @@ class Node(Proc):
                 raise AssertionError(f"{self.name}: pools not back to full after {timeout}s: "
                                      f"{json.dumps(info)[:3000]}")
             time.sleep(0.1)
+
+
+def wait_for_port(proc: Proc, timeout: float) -> int:
+    """The port `proc` (started with `--port 0 --port-file proc.port_file`) serves on; a
+    RuntimeError with its log when it dies first or writes none in time."""
+    assert proc.proc is not None
+    try:
+        return wait_port_file(proc.port_file, proc.proc, timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        log = proc.log()
+        proc.stop()
+        raise RuntimeError(f"{proc.name}: {exc}:\n{log}") from None
 
 
 def _get_ok(url: str) -> bool:

@@ -10,7 +10,9 @@ import time
 
 import httpx
 import pytest
-from pd_procs import Proc, Registry, free_port
+from pd_procs import Proc, Registry
+
+from pdserve.ports import refusing_port
 
 MODEL = "tiny-llama"
 EXIT_BOUND_S = 240  # start-up (model load, scheduler process) on a loaded machine
@@ -18,7 +20,7 @@ EXIT_BOUND_S = 240  # start-up (model load, scheduler process) on a loaded machi
 
 def node_cmd(registry_url: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "prefill", "--model", MODEL, "--registry",
-            registry_url, "--port", str(free_port()), "--transfer-backend", "tcp",
+            registry_url, "--port", "0", "--transfer-backend", "tcp",
             "--log-level", "warning", *flags]
 
 
@@ -58,9 +60,10 @@ def test_wrong_registry_token_exits_with_one_clear_line(tmp_path_factory):
 
 def test_unreachable_registry_exits_after_the_wait(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("r")  # short: the node's IPC paths live below it
-    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    node = Proc("n2", node_cmd(nowhere, "--registry-wait-s", "3"), tmp_path)
-    rc = run_to_exit(node)
+    with refusing_port() as port:  # nothing listens there
+        nowhere = f"http://127.0.0.1:{port}"
+        node = Proc("n2", node_cmd(nowhere, "--registry-wait-s", "3"), tmp_path)
+        rc = run_to_exit(node)
     log = node.log(20000)
     assert rc != 0, log
     lines = error_lines(log)
@@ -101,19 +104,19 @@ def test_a_registered_node_already_accepts_connections(tmp_path_factory):
     the node for dead and open its circuit breaker; seen after restarts in the chaos soak)."""
     tmp_path = tmp_path_factory.mktemp("r")
     registry = Registry(tmp_path).start()
-    port = free_port()
-    cmd = node_cmd(registry.url, "--node-id", "early-node")
-    cmd[cmd.index("--port") + 1] = str(port)
-    node = Proc("n4", cmd, tmp_path)
+    node = Proc("n4", node_cmd(registry.url, "--node-id", "early-node"), tmp_path)
     try:
         node.spawn()
         deadline = time.monotonic() + EXIT_BOUND_S
         with httpx.Client(timeout=5) as http:  # a kept connection: polls a few ms apart
-            while http.get(f"{registry.url}/v1/nodes/early-node").status_code != 200:
+            while (r := http.get(f"{registry.url}/v1/nodes/early-node")).status_code != 200:
                 assert node.alive and time.monotonic() < deadline, node.log()
                 time.sleep(0.002)
-        # At once, no retry: a refused connection raises ConnectError here.
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code == 200
+        # The port it advertises (it bound port 0), at once, no retry: a refused
+        # connection raises ConnectError here.
+        url = r.json()["http_url"]
+        assert not url.endswith(":0"), url
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
     finally:
         node.stop()
         registry.stop()

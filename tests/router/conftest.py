@@ -15,7 +15,7 @@ NodeLauncher = Callable[..., dict[str, Node]]
 # A router with tight limits and without --model (it learns the model from the registry);
 # test_router_limits.py names the two timeouts again.
 TIGHT_ROUTER_FLAGS = ("--max-running-requests", "1", "--max-queued-requests", "1",
-                      "--queue-timeout-s", "1", "--request-timeout-s", "4")
+                      "--queue-timeout-s", "2", "--request-timeout-s", "4")
 
 
 @pytest.fixture(scope="session")

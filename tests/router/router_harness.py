@@ -8,6 +8,7 @@ the stack reported" (each child of `up` leads its own group).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -19,7 +20,11 @@ from pathlib import Path
 import httpx
 
 from pdserve.loadtest.server_info import server_info_after
-from pdserve.ports import free_port  # noqa: F401 (re-exported to the tests)
+from pdserve.ports import (
+    free_port,  # noqa: F401 (re-exported: redis-server's port)
+    read_port_file,
+    wait_port_file,
+)
 from pdserve.stack.child import group_alive  # noqa: F401 (re-exported to the tests)
 
 MODEL = "tiny-llama"
@@ -29,6 +34,7 @@ STARTUP_TIMEOUT_S = 240  # ~30 s on a quiet 2-core machine; loaded CI is slower
 # mooncake runs the same tests over Mooncake.
 BACKEND = os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "tcp")
 _ROW = re.compile(r"^  (\S+)\s+(http://\S+)(?:\s+\(pid (\d+)\))?", re.M)
+_SERIAL = itertools.count(1)  # names the files of each router of this test process
 
 
 def pdserve(*args: str) -> list[str]:
@@ -40,6 +46,16 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def wait_for_port(port_file: Path, proc: subprocess.Popen, what: str, log: Path) -> int:
+    """The port `proc` (started with `--port 0 --port-file port_file`) serves on; an
+    AssertionError with its log when it dies first or writes none in time."""
+    try:
+        return wait_port_file(port_file, proc, STARTUP_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as exc:
+        raise AssertionError(f"{what}: {exc}:\n{log.read_text(errors='replace')[-4000:]}"
+                             ) from None
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval: float = 0.2):
@@ -58,9 +74,10 @@ class Up:
 
     def __init__(self, log_dir: Path, prefill: int = 1, decode: int = 2, *flags: str) -> None:
         self.log_dir = log_dir
-        self.port = free_port()
+        self.port_file = log_dir / "up.port"  # the router's port, once the stack serves
         self.cmd = pdserve("up", "--model", MODEL, "--prefill", str(prefill), "--decode",
-                           str(decode), "--port", str(self.port), "--transfer-backend", BACKEND,
+                           str(decode), "--port", "0", "--port-file", str(self.port_file),
+                           "--transfer-backend", BACKEND,
                            "--log-dir", str(log_dir / "children"), *flags)
         self.out_path = log_dir / "up.out"
         self.proc: subprocess.Popen | None = None
@@ -84,6 +101,8 @@ class Up:
             self.urls[name] = url
             if pid:
                 self.pids[name] = int(pid)
+        port = read_port_file(self.port_file)  # written before the report is printed
+        assert self.router == f"http://127.0.0.1:{port}", (self.router, port)
         return self
 
     @property
@@ -137,18 +156,19 @@ class Node:
     def __init__(self, role: str, node_id: str, registry: str, log_dir: Path,
                  *flags: str) -> None:
         self.role, self.node_id, self.registry = role, node_id, registry
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port, self.url = 0, ""  # known once wait_ready() read its port file
         self.log_path = log_dir / f"{node_id}.log"
-        self.cmd = pdserve(role, "--model", MODEL, "--port", str(self.port), "--registry",
-                           registry, "--node-id", node_id, "--transfer-backend", BACKEND,
-                           *flags)
+        self.port_file = log_dir / f"{node_id}.port"
+        self.cmd = pdserve(role, "--model", MODEL, "--port", "0", "--port-file",
+                           str(self.port_file), "--registry", registry, "--node-id", node_id,
+                           "--transfer-backend", BACKEND, *flags)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Node:
         return self.spawn().wait_ready()
 
     def spawn(self) -> Node:
+        self.port_file.unlink(missing_ok=True)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
@@ -159,6 +179,12 @@ class Node:
         """Healthy and in the registry (a PD node registers once its engine is up)."""
         assert self.proc is not None
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        try:
+            self.port = wait_port_file(self.port_file, self.proc, STARTUP_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            self.kill9()
+            raise RuntimeError(f"{self.node_id}: {exc}:\n{self.log()[-4000:]}") from None
+        self.url = f"http://127.0.0.1:{self.port}"
         while not (self._healthy() and self.registered()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill9()
@@ -255,19 +281,26 @@ class RouterProc:
     """A `pdserve router` of its own over an existing registry."""
 
     def __init__(self, registry: str, log_dir: Path, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"router-{self.port}.log"
-        self.cmd = pdserve("router", "--registry", registry, "--port", str(self.port), *flags)
+        serial = next(_SERIAL)
+        self.port, self.url = 0, ""  # known once wait_ready() read its port file
+        self.log_path = log_dir / f"router-{serial}.log"
+        self.port_file = log_dir / f"router-{serial}.port"
+        self.cmd = pdserve("router", "--registry", registry, "--port", "0", "--port-file",
+                           str(self.port_file), *flags)
         self.proc: subprocess.Popen | None = None
 
     def spawn(self) -> RouterProc:
+        self.port_file.unlink(missing_ok=True)
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def wait_ready(self) -> str:
+        assert self.proc is not None
+        self.port = wait_for_port(self.port_file, self.proc, "the router", self.log_path)
+        self.url = f"http://127.0.0.1:{self.port}"
+
         def healthy() -> bool:
             assert self.proc is not None and self.proc.poll() is None, self.log()
             try:

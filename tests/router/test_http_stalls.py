@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_harness import MODEL, REPO, free_port, kill_group, wait_until
+from router_harness import MODEL, REPO, kill_group, wait_for_port, wait_until
+
+from pdserve.ports import refusing_port
 
 HEADER_S, BODY_S, MAX_CONN = 2.0, 2.0, 8
 LIMIT_FLAGS = ("--header-timeout-s", str(HEADER_S), "--body-timeout-s", str(BODY_S),
@@ -24,44 +26,47 @@ CLOSE_BOUND_S = 20.0  # the timeout plus generous slack on a loaded machine
 START_BOUND_S = 240.0
 
 
-def command(kind: str, port: int, registry: str) -> list[str]:
+def command(kind: str, port_file: Path, registry: str) -> list[str]:
+    where = ["--port", "0", "--port-file", str(port_file)]
     if kind == "registry":
-        return [sys.executable, "-m", "bootstrap.cli", "--port", str(port), *LIMIT_FLAGS]
+        return [sys.executable, "-m", "bootstrap.cli", *where, *LIMIT_FLAGS]
     if kind == "router":
         return [sys.executable, "-m", "pdserve.cli", "router", "--registry", registry,
-                "--port", str(port), *LIMIT_FLAGS]
-    return [sys.executable, "-m", "pdserve.cli", "serve", "--model", MODEL, "--port",
-            str(port), "--log-level", "warning", *LIMIT_FLAGS]
+                *where, *LIMIT_FLAGS]
+    return [sys.executable, "-m", "pdserve.cli", "serve", "--model", MODEL, *where,
+            "--log-level", "warning", *LIMIT_FLAGS]
 
 
 @pytest.fixture(scope="module", params=["registry", "router", "node"])
 def server(request, tmp_path_factory) -> Iterator[tuple[str, str]]:
-    kind, port = request.param, free_port()
-    log_path: Path = tmp_path_factory.mktemp(kind) / "log"
+    kind, folder = request.param, tmp_path_factory.mktemp(request.param)
+    log_path, port_file = folder / "log", folder / "port"
     # The router needs a registry URL; one that is down is fine (it answers /health 503).
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(kind, port, f"http://127.0.0.1:{free_port()}"),
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        assert proc.poll() is None, log_path.read_text()
+    with refusing_port() as down:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(command(kind, port_file, f"http://127.0.0.1:{down}"),
+                                    cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         try:
-            return httpx.get(f"{url}/health", timeout=2).status_code in (200, 503)
-        except httpx.HTTPError:
-            return False
+            port = wait_for_port(port_file, proc, f"the {kind}", log_path)
+            url = f"http://127.0.0.1:{port}"
 
-    try:
-        wait_until(answers, START_BOUND_S, f"the {kind} on port {port}")
-        yield kind, url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_group(proc.pid)
+            def answers() -> bool:
+                assert proc.poll() is None, log_path.read_text()
+                try:
+                    return httpx.get(f"{url}/health", timeout=2).status_code in (200, 503)
+                except httpx.HTTPError:
+                    return False
+
+            wait_until(answers, START_BOUND_S, f"the {kind} on port {port}")
+            yield kind, url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            kill_group(proc.pid)
 
 
 def connect(url: str) -> socket.socket:

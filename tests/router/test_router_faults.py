@@ -20,7 +20,6 @@ import pytest
 from router_harness import (
     MODEL,
     RouterProc,
-    free_port,
     generated_tokens,
     legs_metric,
     legs_ok,
@@ -30,6 +29,7 @@ from router_harness import (
 )
 
 from bootstrap.client import RegistryClient
+from pdserve.ports import refusing_port
 
 TTL = "3"  # launched nodes' registry TTL: a killed one leaves the registry within seconds
 ERROR_BOUND_S = 10  # a client hears of a dead node within this
@@ -362,17 +362,18 @@ def test_unreachable_node_is_retried_elsewhere(stack, router: str):
     noticed yet): requests sent its way are re-sent to another pair before any output,
     the client never sees it, and the node's breaker opens."""
     ghost = httpx.get(f"{stack.registry}/v1/nodes/decode-0", timeout=5).json()
-    ghost.update(node_id="decode-ghost", instance_id="ghost-1", ttl_s=60,
-                 http_url=f"http://127.0.0.1:{free_port()}")
-    registry = RegistryClient(stack.registry)
-    registry.put_record(ghost)
-    try:
-        _seen_by_router(router, "decode-ghost")
-        responses = _short_requests(router, 9)  # 3 each by in-flight count: the ghost too
-        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-        assert legs_metric(router, "decode-ghost", "unreachable") >= 1
-        assert router_nodes(router)["decode-ghost"]["breaker"] == "open"
-        assert legs_metric(router, "decode-ghost") == 0
-    finally:
-        registry.delete_record("decode-ghost")
-        registry.close()
+    with refusing_port() as nowhere:  # held bound, never listening, for the whole test
+        ghost.update(node_id="decode-ghost", instance_id="ghost-1", ttl_s=60,
+                     http_url=f"http://127.0.0.1:{nowhere}")
+        registry = RegistryClient(stack.registry)
+        registry.put_record(ghost)
+        try:
+            _seen_by_router(router, "decode-ghost")
+            responses = _short_requests(router, 9)  # 3 each by in-flight count: the ghost too
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+            assert legs_metric(router, "decode-ghost", "unreachable") >= 1
+            assert router_nodes(router)["decode-ghost"]["breaker"] == "open"
+            assert legs_metric(router, "decode-ghost") == 0
+        finally:
+            registry.delete_record("decode-ghost")
+            registry.close()

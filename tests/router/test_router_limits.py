@@ -38,7 +38,7 @@ def test_router_learns_the_model_from_the_registry(tight_router: str):
     assert [m["id"] for m in models] == [MODEL] and models[0]["max_model_len"] == 2048
 
 
-QUEUE_TIMEOUT_S, REQUEST_TIMEOUT_S = 1.0, 4.0  # the tight router's (conftest)
+QUEUE_TIMEOUT_S, REQUEST_TIMEOUT_S = 2.0, 4.0  # the tight router's (conftest)
 ATTEMPTS = 3
 
 

@@ -8,7 +8,6 @@ their heartbeat, and their pools are full at the end."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
@@ -26,12 +25,12 @@ from router_harness import (
     free_port,
     kill_group,
     router_nodes,
+    wait_for_port,
     wait_pools_full,
     wait_until,
 )
 
 TTL = "3"
-_PORT = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 class RegistryProc:
@@ -49,17 +48,17 @@ class RegistryProc:
     def start(self) -> RegistryProc:
         self.starts += 1
         log = self.log_dir / f"registry-{self.starts}.log"
+        port_file = self.log_dir / f"registry-{self.starts}.port"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bootstrap.cli", "--host", "127.0.0.1", "--port",
-                 str(self.port), "--store", self.store], cwd=REPO, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                 str(self.port), "--port-file", str(port_file), "--store", self.store],
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.port = wait_for_port(port_file, self.proc, "the registry", log)
 
         def up() -> bool:
             assert self.proc is not None and self.proc.poll() is None, log.read_text()
-            if not self.port and (found := _PORT.findall(log.read_bytes())):
-                self.port = int(found[-1])
-            return bool(self.port) and _ok(f"{self.url}/health")
+            return _ok(f"{self.url}/health")
 
         wait_until(up, 60, "the registry")
         return self
@@ -79,6 +78,7 @@ class RegistryProc:
 
 class RedisProc:
     def __init__(self, log_dir: Path) -> None:
+        # free_port: redis-server (not our server) reports no port it picked itself.
         self.port, self.log = free_port(), log_dir / "redis.log"
         self.proc: subprocess.Popen | None = None
 

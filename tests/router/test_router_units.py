@@ -242,7 +242,7 @@ def test_stream_events_become_deltas():
 
 
 # -- config and CLI -----------------------------------------------------------------------
-@pytest.mark.parametrize("flags", [["--port", "0"], ["--registry", "nope"],
+@pytest.mark.parametrize("flags", [["--port", "65536"], ["--registry", "nope"],
                                    ["--queue-timeout-s", "0"], ["--balance-rel-threshold", "0.5"],
                                    ["--breaker-max-cooldown-s", "0.1"],
                                    ["--stream-stall-timeout-s", "-1"]])

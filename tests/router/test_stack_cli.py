@@ -100,7 +100,7 @@ def test_nodes_on_one_gpu_split_the_memory_fraction(tmp_path):
     def node_cmd(node_args: str, prefill: int = 1, decode: int = 1) -> list[str]:
         cfg = StackConfig(model="tiny-llama", prefill=prefill, decode=decode,
                           node_args=node_args, log_dir=str(tmp_path), transfer_backend="tcp")
-        return Stack(cfg, say=lambda *_: None)._node("p0", "prefill", 1).child.cmd
+        return Stack(cfg, say=lambda *_: None)._node("p0", "prefill").child.cmd
 
     cmd = node_cmd("--device cuda", prefill=1, decode=3)
     assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.212"  # 0.85 / 4
@@ -118,8 +118,8 @@ def test_role_args_reach_only_their_role_and_win_over_node_args(tmp_path):
                       decode_args="--max-running-requests 7", log_dir=str(tmp_path),
                       transfer_backend="tcp")
     stack = Stack(cfg, say=lambda *_: None)
-    pre = stack._node("p0", "prefill", 1).child.cmd
-    dec = stack._node("d0", "decode", 2).child.cmd
+    pre = stack._node("p0", "prefill").child.cmd
+    dec = stack._node("d0", "decode").child.cmd
     assert "--enable-hierarchical-cache" in pre and "--enable-hierarchical-cache" not in dec
     assert "--max-running-requests" in dec and "--max-running-requests" not in pre
     ratios = [pre[i + 1] for i, a in enumerate(pre) if a == "--hicache-ratio"]
