@@ -138,8 +138,11 @@ def fit_steps(info: dict) -> tuple[list[float], list[float]]:
 
 
 def run_profile(cfg: EngineConfig, quick: bool, backend: Backend, log=print,
-                plan: dict[str, Any] | None = None, serving: bool = True) -> Profile:
-    """Measure and fit; `plan` overrides the QUICK/FULL point lists (tests use a tiny one)."""
+                plan: dict[str, Any] | None = None, serving: bool = True,
+                serving_pd: bool = True) -> Profile:
+    """Measure and fit; `plan` overrides the QUICK/FULL point lists (tests use a tiny one).
+    `serving_pd=False` skips the 1P1D stack of the serving overheads (a profile only for
+    colocated nodes: the PD figures stay unset)."""
     plan = plan or (QUICK if quick else FULL)
     from pdserve.plan.profile_transfer import measure_transfer
 
@@ -166,8 +169,9 @@ def run_profile(cfg: EngineConfig, quick: bool, backend: Backend, log=print,
     if serving:
         from pdserve.plan.profile_http import measure_overheads
 
-        log("  serving overheads through a real `pdserve serve` node and a 1P1D stack")
-        over = measure_overheads(cfg, prof, backend)
+        log("  serving overheads through a real `pdserve serve` node"
+            + " and a 1P1D stack" * serving_pd)
+        over = measure_overheads(cfg, prof, backend, pd=serving_pd)
         # served steps faster than the engine profile's: it was disturbed (profile_http.py)
         prof.prefill_coef = [c * over["prefill_scale"] for c in prof.prefill_coef]
         prof.decode_coef = [c * over["decode_scale"] for c in prof.decode_coef]
