@@ -100,7 +100,7 @@ def test_breaker_trial_that_never_reports_stops_blocking():
 # -- bounded queue ------------------------------------------------------------------------
 def test_admission_full_queue_429_timeout_408_fifo_handoff():
     async def main():
-        adm = Admission(max_running=1, max_queued=2, timeout_s=0.3)
+        adm = Admission(max_running=1, max_queued=2, timeout_s=2.0)  # b times out
         await adm.acquire()
         order: list[str] = []
 
