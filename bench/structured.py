@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def start_node(model: str, log: Path) -> tuple[subprocess.Popen, int]:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)  # the node and its scheduler process
     raise SystemExit(f"node did not start in 300 s; see {log}")
 
 

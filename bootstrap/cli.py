@@ -112,10 +112,11 @@ def run(args: argparse.Namespace) -> int:
     from bootstrap.store import StoreUnavailable, open_store
     from pdserve.http.guard import guarded_protocol
     from pdserve.http.listening import ListeningServer
-    from pdserve.ports import PortInUse, bind_port
+    from pdserve.ports import PortInUse, bind_port, listen_port
 
     try:  # bound first: a taken port is one clear line; 0 picks a free one
         sock = bind_port(config.host, config.port)
+        listen_port(sock, config.host, config.port)
     except PortInUse as exc:
         print(f"pdserve registry: {exc}", file=sys.stderr)
         return 1
@@ -136,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
             http=guarded_protocol(config.http)), sock, config.port_file, log)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: a stop asked for
             server.run()
+    if server.port_file_error:
+        return 1
     return 0 if server.started else 3  # uvicorn's exit code for a failed start
 
 

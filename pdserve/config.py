@@ -197,9 +197,9 @@ _HELP = {
              "HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply)",
     "dtype": "weight and KV dtype: auto|bfloat16|float16|float32",
     "device": "auto|cpu|cuda[:N]",
-    "kernels": "decoder-layer ops: native (fused CPU kernels, built once with the C++ "
-               "compiler), torch (plain PyTorch), or auto (native on CPU when they build, "
-               "else torch)",
+    "kernels": "decoder-layer ops: native (fused CPU kernels: prebuilt for this CPU's ISA "
+               "level, or built once with the C++ compiler), torch (plain PyTorch), or auto "
+               "(native on CPU when they load, else torch)",
     "attention_backend": "attention of decode and prompt rows: triton (paged Triton "
                          "kernels; CUDA, or CPU under TRITON_INTERPRET=1), native (the fused "
                          "CPU kernels), torch (SDPA over gathered pages), or auto (triton on "

@@ -28,8 +28,36 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Fail before loading anything when another process holds the port."""
-    bind_port(host, port).close()
+    """Fail before loading anything when another process holds the port (listening, or
+    bound and about to: only listen() sees the latter, see listen_port)."""
+    with bind_port(host, port) as sock:
+        listen_port(sock, host, port)
+
+
+def listen_port(sock: socket.socket, host: str, port: int, backlog: int = 2048) -> None:
+    """`sock.listen()`, a taken port as PortInUse. With SO_REUSEADDR (bind_port, fixed
+    ports) a second bind of a port that another server has bound but not yet listened on
+    succeeds on Linux; the conflict shows only here."""
+    try:
+        sock.listen(backlog)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUse(f"cannot listen on {host}:{port}: port {port} is already in use "
+                        f"({exc.strerror}); stop what holds it or pass another --port") from exc
+
+
+def port_file_problem(path: str) -> str | None:
+    """Why `--port-file PATH` could not be written later (checked with the flags, before
+    anything loads), or None."""
+    folder = Path(path).parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"folder {folder} is not writable"
+    if Path(path).is_dir():
+        return "is a folder"
+    return None
 
 
 def tcp_socket(family: int) -> socket.socket:
@@ -49,7 +77,8 @@ def bind_port(host: str, port: int) -> socket.socket:
     ~40 ms added to the first token of every request on a reused keep-alive connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = tcp_socket(family)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if port:  # a fixed port may be rebound over TIME_WAIT leftovers; port 0 needs none
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
     except OSError as exc:

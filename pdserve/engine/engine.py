@@ -312,9 +312,9 @@ class Engine:
 
     # -- introspection ---------------------------------------------------------------------
     def _kernels_build(self) -> str | None:
-        """The fused CPU kernels' build id (their cache folder: sources, torch, compiler,
-        CPU flags, checkout), recorded when they loaded; None where the torch reference
-        ops run."""
+        """The fused CPU kernels' build id (`prebuilt-<level>-<hash>`, or the native build's
+        cache folder: sources, torch, compiler, CPU flags, checkout), recorded when they
+        loaded; None where the torch reference ops run."""
         if self.ops_choice.kind != "native":
             return None
         from pdserve.kernels import build_id

@@ -10,6 +10,7 @@ was free a moment ago (docs/architecture.md: Interfaces).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 
@@ -24,6 +25,7 @@ class ListeningServer(uvicorn.Server):
                  port_file: str | None = None, log: logging.Logger | None = None) -> None:
         super().__init__(config)
         self.sock, self.port_file = sock, port_file
+        self.port_file_error: str | None = None  # set when the port file could not be written
         self.log = log or logging.getLogger("pdserve.http")
 
     @property
@@ -40,4 +42,11 @@ class ListeningServer(uvicorn.Server):
             return
         self.log.info("listening on %s", http_url(self.config.host, self.port))
         if self.port_file:
-            write_port_file(self.port_file, self.port)
+            try:
+                write_port_file(self.port_file, self.port)
+            except OSError as exc:  # checked with the flags; gone or read-only since
+                self.port_file_error = f"cannot write --port-file {self.port_file}: {exc}"
+                self.log.error("%s; shutting down", self.port_file_error)
+                # After startup returns, so the usual shutdown (lifespan: deregister) runs;
+                # uvicorn skips it when should_exit is already set here.
+                asyncio.get_running_loop().call_soon(setattr, self, "should_exit", True)

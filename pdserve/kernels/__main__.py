@@ -8,6 +8,7 @@ machines (an image's builder stage); they are not loaded here.
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from pdserve.kernels import (
     prebuilt,
     sources_hash,
 )
-from pdserve.kernels.isa import BY_NAME, parse_levels
+from pdserve.kernels.isa import BY_NAME, is_x86, parse_levels
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve kernels: {exc}", file=sys.stderr)
         return 2
     if cfg.prebuild:
+        if not is_x86():
+            if cfg.prebuild == ("all",):  # a multi-arch image build: nothing to make here
+                print(f"pdserve kernels: no x86 ISA levels on {platform.machine()}; "
+                      "nodes build natively or run the torch ops")
+                return 0
+            print(f"pdserve kernels: --prebuild {' '.join(cfg.prebuild)}: x86 levels, and "
+                  f"this machine is {platform.machine()}", file=sys.stderr)
+            return 2
         levels = parse_levels(cfg.prebuild)
         built = prebuilt.build(levels, SOURCES, sources_hash(),
                                compiler().decode(errors="replace"), Path(cfg.into),

@@ -11,6 +11,7 @@ own: no kernel of ours issues AMX instructions; torch's GEMMs (oneDNN) pick AMX 
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,10 @@ class IsaLevel:
     needs: frozenset[str]        # /proc/cpuinfo flags the CPU must list to run that code
 
 
-_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave"})
+# x86-64-v3 includes v2 (SSE3 = "pni", SSSE3, SSE4.1/4.2, POPCNT, CMPXCHG16B, LAHF): every
+# AVX2 CPU has them, but a VM may hide some, and the compiler is free to use them all.
+_V2 = frozenset({"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm"})
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave"}
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 # Lowest first: `pick` takes the last one the CPU runs.
@@ -32,6 +36,11 @@ LEVELS: tuple[IsaLevel, ...] = (
     IsaLevel("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 | {"avx512_bf16"}),
 )
 BY_NAME = {lv.name: lv for lv in LEVELS}
+
+
+def is_x86(machine: str | None = None) -> bool:
+    """Whether these levels mean anything here (`platform.machine()` by default)."""
+    return (machine or platform.machine()).lower() in ("x86_64", "amd64")
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

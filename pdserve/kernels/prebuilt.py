@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from pdserve.kernels.isa import IsaLevel, cpu_flags, pick
+from pdserve.kernels.isa import BY_NAME, IsaLevel, cpu_flags, pick
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).parent / "prebuilt"
@@ -96,9 +96,14 @@ def usable(sources_hash: str, root: Path = ROOT,
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("prebuilt kernels: unreadable %s (%s)", manifest_path, exc)
             continue
+        expected = BY_NAME.get(level)
         if m.get("sources") != sources_hash or m.get("torch") != torch.__version__:
             log.warning("prebuilt kernels %s skipped: built from other sources or torch %s "
                         "(running %s)", level, m.get("torch"), torch.__version__)
+        elif expected is None or m.get("cflags") != [*CFLAGS, *expected.cflags]:
+            # a level renamed or retargeted since: its code may need what `needs` omits
+            log.warning("prebuilt kernels %s skipped: built with flags %s", level,
+                        m.get("cflags"))
         elif so.is_file():
             fresh[level] = so
     chosen = pick(cpu_flags() if flags is None else flags, list(fresh))

@@ -199,4 +199,6 @@ def choose_ops(requested: str, device: torch.device) -> OpsChoice:
             raise RuntimeError(f"--kernels native: the CPU kernels do not build here: "
                                f"{build_error()}")
         return OpsChoice(TorchOps(), "torch", f"native kernels unavailable: {build_error()}")
-    return OpsChoice(NativeOps(module), "native", "cpu: fused kernels built")
+    from pdserve.kernels import build_id
+
+    return OpsChoice(NativeOps(module), "native", f"cpu: fused kernels {build_id()}")

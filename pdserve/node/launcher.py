@@ -33,7 +33,7 @@ from pdserve.node.drain import NodeServer, wait_drained
 from pdserve.node.engine_client import EngineClient
 from pdserve.node.frontend import Frontend
 from pdserve.node.metrics import Metrics
-from pdserve.ports import bind_port, check_port_free
+from pdserve.ports import PortInUse, bind_port, check_port_free, listen_port
 
 log = logging.getLogger("pdserve.node")
 GRACEFUL_S = 10
@@ -139,11 +139,16 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
     front = Frontend(cfg, client, tokenizer, Metrics(lambda: client.stats))
     # Accept connections from here on (they wait in the backlog until uvicorn runs): a
     # router that learns of us from the registry must never find the port closed.
-    http_sock.listen(2048)
     registry = bootstrap = None
+    try:
+        listen_port(http_sock, cfg.host, cfg.port)
+    except PortInUse as exc:  # another server bound the port first and now listens
+        print(f"pdserve {cfg.role}: error: {exc}", file=sys.stderr, flush=True)
+        await client.close()
+        ctx.term()
+        return 1
     if cfg.pd is not None:
         from pdserve.node.registration import RegistrationFailed
-        from pdserve.ports import PortInUse
 
         try:
             sock = _bootstrap_socket(cfg)
@@ -207,4 +212,4 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
     finally:
         watcher.cancel()
     ctx.term()
-    return 1 if client.died.is_set() else 0
+    return 1 if client.died.is_set() or server.port_file_error else 0

@@ -26,6 +26,7 @@ measures, ~0.2-0.3 ms a token more than a bare reader on this machine); the medi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import statistics
@@ -117,27 +118,30 @@ def _measure(cmd: list[str], ids: list[int], new: int, reps: int,
         proc = subprocess.Popen([*cmd, "--port", "0", "--port-file", port_file],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-        try:
-            port = wait_port_file(port_file, proc, timeout_s)
-        except (RuntimeError, TimeoutError) as exc:
+        try:  # from here on the server is stopped on every way out (its own session:
+            # a Ctrl-C here never reaches it)
+            try:
+                port = wait_port_file(port_file, proc, timeout_s)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"`{_command(proc)}`: {exc}") from None
+            url = f"http://127.0.0.1:{port}"
+            with httpx.Client(timeout=60) as client:
+                _ready(client, proc, url, timeout_s)
+            return _typical(url, ids, new, reps)
+        finally:
             _stop(proc)
-            raise RuntimeError(f"`{_command(proc)}`: {exc}") from None
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(timeout=60) as client:
-            _ready(client, proc, url, timeout_s)
-        return _typical(url, ids, new, reps)
-    finally:
-        _stop(proc)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to its process group, SIGKILL after 30 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM to its process group, SIGKILL after 30 s (a group already gone: nothing to
+    do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 

@@ -16,7 +16,7 @@ import uvicorn
 from pdserve.http.body_limit import BodyLimitMiddleware
 from pdserve.http.guard import guarded_protocol
 from pdserve.http.listening import ListeningServer
-from pdserve.ports import bind_port
+from pdserve.ports import bind_port, listen_port
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.gateway import Gateway
@@ -38,9 +38,10 @@ def serve(cfg: RouterConfig) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.log_level != "debug":  # one line per registry poll and per leg otherwise
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    # Bound now (a taken port fails before the tokenizer loads; 0 picks a free one) and
-    # listening once uvicorn serves, which then logs the port and writes --port-file.
+    # Bound and listening now (a taken port fails before the tokenizer loads; 0 picks a
+    # free one); uvicorn serves it later, then logs the port and writes --port-file.
     with bind_port(cfg.host, cfg.port) as sock:
+        listen_port(sock, cfg.host, cfg.port)  # connections wait in the backlog until served
         cfg = dataclasses.replace(cfg, port=sock.getsockname()[1])
         # With --model the tokenizer loads now: a wrong model fails at start, not per request.
         tokenizer = RouterTokenizer(cfg.model, cfg.model_cache_dir, cfg.chat_template,
@@ -70,4 +71,4 @@ async def _serve_async(cfg: RouterConfig, tokenizer: RouterTokenizer | None,
         access_log=cfg.log_level == "debug",
         http=guarded_protocol(cfg.http)), sock, cfg.port_file, log)
     await server.serve()
-    return 0
+    return 1 if server.port_file_error else 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.config import HICACHE_STORAGE_BACKENDS
 from pdserve.flags import add_dataclass_flags, opt, values_from
+from pdserve.ports import port_file_problem
 from pdserve.tokens import read_token_file
 
 TRANSFER_BACKENDS = ("", "mooncake", "tcp")
@@ -68,6 +69,8 @@ class StackConfig:
             raise ValueError("--model is required")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
+        if self.port_file and (why := port_file_problem(self.port_file)):
+            raise ValueError(f"--port-file {self.port_file}: {why}")
         for flag, port in (("--port", self.port), ("--registry-port", self.registry_port)):
             if not 0 <= port < 65536:
                 raise ValueError(f"{flag} must be in 0..65535, got {port}")

@@ -27,8 +27,7 @@ def bench_config(cfg: DemoConfig, base_url: str):
                      max_concurrency=cfg.max_concurrency, warmup_requests=1,
                      output_file=cfg.output_file, label=f"{s.prefill}P{s.decode}D",
                      request_timeout=300.0, disable_tqdm=not sys.stderr.isatty())
-    bc.validate()
-    return bc
+    return bc  # validated when built (BenchConfig.__post_init__)
 
 
 def load_test(cfg: DemoConfig, base_url: str) -> dict:

@@ -167,3 +167,11 @@ def test_a_server_that_dies_before_its_port_file_fails_fast(tmp_path) -> None:
                             stderr=subprocess.DEVNULL)
     with pytest.raises(RuntimeError, match="exited with 1 before writing its port"):
         wait_port_file(tmp_path / "p", proc, 30)
+
+
+def test_an_unwritable_port_file_is_refused_before_start(tmp_path) -> None:
+    out = subprocess.run([*ENTRY, "--port", "0", "--port-file", str(tmp_path / "no" / "p")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"--port-file {tmp_path / 'no' / 'p'}: folder" in out.stderr
+    assert "Traceback" not in out.stderr

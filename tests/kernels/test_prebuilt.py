@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.kernels import prebuilt, sources_hash
-from pdserve.kernels.isa import BY_NAME, LEVELS, cpu_flags, parse_levels, pick
+from pdserve.kernels.isa import BY_NAME, LEVELS, cpu_flags, is_x86, parse_levels, pick
 
 AVX2_EPYC = BY_NAME["avx2"].needs | {"sse4_2", "avx_vnni"}          # Zen 2/3, no AVX-512
 SKYLAKE_X = BY_NAME["avx512"].needs | {"avx512_vnni"}
@@ -36,6 +36,11 @@ def test_only_levels_that_were_built_are_picked():
     assert pick(AVX2_EPYC, ["avx512", "avx512_bf16"]) is None
 
 
+def test_only_x86_machines_have_levels():
+    assert is_x86("x86_64") and is_x86("AMD64")
+    assert not is_x86("aarch64") and not is_x86("arm64")
+
+
 def test_levels_are_named_or_all():
     assert parse_levels(("all",)) == LEVELS
     assert [lv.name for lv in parse_levels(("avx512_bf16", "avx2"))] == ["avx2", "avx512_bf16"]
@@ -52,13 +57,15 @@ def test_cpu_flags_read_the_first_flags_line(tmp_path):
 
 
 def fake_build(root: Path, level: str, *, sources: str, torch_version: str = torch.__version__,
-               with_so: bool = True) -> None:
+               with_so: bool = True, flags: list[str] | None = None) -> None:
     """A build folder as prebuilt.build leaves it (the .so's content is never read here)."""
     out = root / level
     out.mkdir(parents=True)
     module = f"pdserve_cpu_ops_{level}"
+    cflags = [*prebuilt.CFLAGS, *BY_NAME[level].cflags] if level in BY_NAME else []
     (out / "manifest.json").write_text(json.dumps(
-        {"level": level, "module": module, "sources": sources, "torch": torch_version}))
+        {"level": level, "module": module, "sources": sources, "torch": torch_version,
+         "cflags": cflags if flags is None else flags}))
     if with_so:
         (out / f"{module}.so").write_bytes(b"")
 
@@ -83,6 +90,11 @@ def test_stale_foreign_or_incomplete_builds_are_skipped(tmp_path, caplog):
     pre = prebuilt.usable(src, tmp_path, flags=SAPPHIRE_RAPIDS)
     assert pre is not None and pre.level == "avx2"
     assert "built from other sources or torch 2.0.0" in caplog.text
+    other = tmp_path / "other"
+    fake_build(other, "avx2", sources=src, flags=["-O3", "-march=native"])  # not the level's
+    fake_build(other, "avx512", sources=src)
+    assert prebuilt.usable(src, other, flags=AVX2_EPYC) is None
+    assert "skipped: built with flags" in caplog.text
     (tmp_path / "avx2" / "pdserve_cpu_ops_avx2.so").unlink()              # manifest, no .so
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "manifest.json").write_text("{not json")

@@ -18,7 +18,10 @@ import pytest
 from pdserve.config import EngineConfig
 from pdserve.cpus import split_cores, usable_cores
 from pdserve.ports import (
+    PortInUse,
     bind_port,
+    listen_port,
+    port_file_problem,
     read_port_file,
     refusing_port,
     wait_port_file,
@@ -84,6 +87,28 @@ def test_waiting_for_a_port_file_fails_fast_or_times_out(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_two_servers_bound_to_one_fixed_port_conflict_clearly_at_listen():
+    """SO_REUSEADDR lets a second server bind a fixed port the first bound but has not
+    listened on yet (a node loading its model); whoever listens second gets PortInUse,
+    not a bare OSError."""
+    with bind_port("127.0.0.1", 0) as probe:
+        port = probe.getsockname()[1]
+    with bind_port("127.0.0.1", port) as first, bind_port("127.0.0.1", port) as second:
+        listen_port(first, "127.0.0.1", port)
+        with pytest.raises(PortInUse, match=f"port {port} is already in use"):
+            listen_port(second, "127.0.0.1", port)
+        with pytest.raises(PortInUse):
+            bind_port("127.0.0.1", port)  # once one listens, a new bind fails at once
+
+
+def test_port_file_problems_are_found_before_start(tmp_path):
+    assert port_file_problem(str(tmp_path / "node.port")) is None
+    assert "does not exist" in port_file_problem(str(tmp_path / "no" / "node.port"))
+    assert port_file_problem(str(tmp_path)) == "is a folder"
+    with pytest.raises(ValueError, match="--port-file .*does not exist"):
+        StackConfig(model="tiny-llama", port_file=str(tmp_path / "no" / "up.port"))
 
 
 def test_a_refusing_port_refuses_while_held():
