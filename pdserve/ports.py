@@ -77,8 +77,9 @@ def bind_port(host: str, port: int) -> socket.socket:
     ~40 ms added to the first token of every request on a reused keep-alive connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = tcp_socket(family)
-    if port:  # a fixed port may be rebound over TIME_WAIT leftovers; port 0 needs none
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Also on port 0: a server restarted on the port it got (a test, the chaos soak) binds
+    # over the first run's TIME_WAIT connections only if both sockets set it.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
     except OSError as exc:
