@@ -137,3 +137,20 @@ def test_chunked_prompt_equals_the_whole_prompt():
     second = ta.extend_attention(q[32:], pool.k, pool.v, table,
                                  ta.ExtendRows((32,), (18,), q.device), ps, 0.125)
     torch.testing.assert_close(torch.cat([first, second]), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_interpreter_dot_gives_a_row_the_same_bits_at_any_tile_position():
+    """Under the interpreter `tl.dot` is numpy.matmul: a row must come out the same bits
+    wherever it sits in the tile, or the kernels' batch-invariance tests would blame the
+    kernels for numpy's BLAS (tests/conftest.py picks an OpenBLAS kernel that holds)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for m, k, n in [(64, 64, 2048), (16, 64, 16), (64, 200, 300)]:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        full = a @ b
+        for i in range(m):
+            alone = np.zeros_like(a)
+            alone[0] = a[i]
+            assert np.array_equal((alone @ b)[0], full[i]), (m, k, n, i)
