@@ -35,6 +35,7 @@ from pdserve.pd.leg import PDLegFields
 from pdserve.pd.metadata import unpack_row
 from pdserve.pd.tp_transfer import TPReceiver
 from pdserve.pd.transfer_role import TransferRole
+from pdserve.tracing.marks import Timeline
 
 log = logging.getLogger("pdserve.decode")
 
@@ -128,6 +129,9 @@ class DecodeRole(TransferRole):
         assert slot is not None  # num_free > 0 checked above
         first = req.cached_len // self.kv.page_size
         pd.receiver.init(req.pages[first:], slot, prefix_len=req.cached_len)
+        if req.trace is not None:  # waited for pages and a metadata row
+            req.trace.span_since("decode prealloc", "arrived", pages=len(req.pages) - first)
+            req.trace.mark("kv_wait")
         return True
 
     # 3. transfer queue --------------------------------------------------------------------
@@ -140,6 +144,8 @@ class DecodeRole(TransferRole):
                 continue  # its cached prefix is still loading from the HiCache host tier
             if state == KVPoll.Success:
                 self.transferring.remove(req)
+                if req.trace is not None:
+                    _trace_receive(req.trace, decode_state(req).receiver)
                 self._commit(req)
                 committed = True
             elif state == KVPoll.Failed or decode_state(req).receiver.doomed:
@@ -200,3 +206,14 @@ class DecodeRole(TransferRole):
                 "total_metadata_slots": self.meta.size,
                 "draining": len(self.draining), "transfer": self.mgr.metrics()}
 
+
+
+def _trace_receive(trace: Timeline, receiver: object) -> None:
+    """"decode receive": from asking the prefill for the KV to the transfer thread seeing
+    the last write (a TP receiver has no such time: now); "decode commit": from then to
+    this scheduler step picking it up (the loop polls transfers every few ms)."""
+    seen = trace.mark("kv_seen")
+    done = getattr(receiver, "finished_at", None)
+    arrived = min(Timeline.wall_ns(done), seen) if done is not None else seen
+    trace.span("decode receive", trace.marks.get("kv_wait", seen), arrived)
+    trace.span("decode commit", arrived, seen)

@@ -33,7 +33,8 @@ class RoomStatus:
     atomic between the control and transfer threads.
     """
 
-    __slots__ = ("_state", "_reason", "_lock", "created_at", "finished_at", "peer_fault")
+    __slots__ = ("_state", "_reason", "_lock", "created_at", "finished_at", "peer_fault",
+                 "jobs_done_at")
 
     def __init__(self) -> None:
         self._state = KVPoll.Bootstrapping
@@ -42,6 +43,9 @@ class RoomStatus:
         self.created_at = time.monotonic()
         self.finished_at: float | None = None
         self.peer_fault = False  # the failure was the peer's doing (set with the reason)
+        # Sender: when each transfer job (one per send() call, in order) was written
+        # (time.monotonic()); read by a traced request's KV send spans.
+        self.jobs_done_at: list[float] = []
 
     @property
     def state(self) -> KVPoll:

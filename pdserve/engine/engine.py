@@ -39,6 +39,7 @@ from pdserve.models.ops import choose_ops
 from pdserve.models.tokenizer import load_tokenizer
 from pdserve.prompt_check import check_prompt_ids
 from pdserve.sampling_params import SamplingParams, grammar_of
+from pdserve.tracing.marks import Timeline
 
 if TYPE_CHECKING:  # the engine hands a PD leg to its role without reading it
     from pdserve.pd.leg import PDLegFields
@@ -184,14 +185,17 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    leg: PDLegFields | None = None) -> Req:
+                    leg: PDLegFields | None = None, traced: bool = False) -> Req:
         """Validate and hand to the role (colocated: the waiting queue). Raises ValueError
-        with a readable message on bad input; `leg` holds a PD leg's fields (the room)."""
+        with a readable message on bad input; `leg` holds a PD leg's fields (the room).
+        `traced`: record the request's spans (pdserve/tracing/marks.py)."""
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         params.validate()
         self.check_prompt(prompt_ids, params)
         req = Req(rid, prompt_ids, params, self.loaded.eos_token_ids)
+        if traced:
+            req.trace = Timeline()
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)

@@ -17,6 +17,7 @@ from pdserve.engine.logprobs import LogprobOutput, trim
 from pdserve.engine.request import Req
 from pdserve.engine.role import Role
 from pdserve.engine.scheduler import Scheduler
+from pdserve.tracing.marks import now_ns
 
 
 class OutputProcessor:
@@ -61,10 +62,24 @@ class OutputProcessor:
             elif req.params.cache_prompt and not row.decode:
                 self.kv.cache_prompt(req)  # its n - 1 sibling choices come next
         if batch.kind == "extend":
+            self._trace_forwards(batch)
             self.role.on_extend_processed(batch)
         self.sched.fill_gates()  # the next launched batch's grammar masks, if it waits
         self.processed_seq = batch.seq
         self._release_ready()
+
+    @staticmethod
+    def _trace_forwards(batch: Batch) -> None:
+        """A traced request's "prefill forward" span per chunk: from its batch's launch to
+        its result being processed here (before the prefill role sends the chunk's KV)."""
+        end = 0
+        for row in batch.rows:
+            trace = row.req.trace
+            if trace is not None and not row.decode and trace.forwards:
+                end = end or now_ns()
+                start, tokens = trace.forwards.popleft()
+                trace.span("prefill forward", start, end, tokens=tokens, start_pos=row.start,
+                           batch_rows=len(batch.rows))
 
     @staticmethod
     def _prompt_logprobs(batch: Batch, lp: LogprobOutput | None) -> list:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the roles own these types; the engine only carries them
     from pdserve.cache.radix_cache import Node
     from pdserve.cache.storage_prefetch import Prefetch
     from pdserve.engine.grammar import RequestGrammar
+    from pdserve.tracing.marks import Timeline
     from prefill_node.state import PrefillState
 
 
@@ -39,6 +40,9 @@ class Req:
         self.rid = rid
         # The PD role's state (room, sender/receiver, metadata row); None when colocated.
         self.pd: PrefillState | DecodeState | None = None
+        # Its spans when it carries a sampled trace context; None otherwise (every hook
+        # then skips tracing with one test: docs/architecture.md: Tracing).
+        self.trace: Timeline | None = None
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.eos_ids = [] if params.ignore_eos else list(eos_ids)

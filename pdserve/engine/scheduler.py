@@ -27,6 +27,7 @@ from pdserve.engine.logit_processing import PenaltyBook
 from pdserve.engine.request import Req, ReqState
 from pdserve.engine.role import Role
 from pdserve.engine.staging import StagingRing
+from pdserve.tracing.marks import now_ns
 
 
 class Verdict(enum.Enum):
@@ -63,6 +64,8 @@ class Scheduler:
 
     # -- queues ---------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        if req.trace is not None:
+            req.trace.mark("queued")
         self.waiting.append(req)
 
     def add_prefilled(self, req: Req) -> None:
@@ -119,6 +122,9 @@ class Scheduler:
             self.gates.append(batch.grammar)
             self.fill_gates()
         if kind == "extend":
+            for row in rows:
+                if row.req.trace is not None and not row.decode:
+                    row.req.trace.forwards.append((now_ns(), row.q_len))
             self.role.on_extend_scheduled(batch)
         return batch
 
@@ -212,6 +218,8 @@ class Scheduler:
             # Only now that it surely runs: its cached pages stay locked from here on, so
             # the role may ship them (early send) without them being evicted meanwhile.
             self.role.on_admitted(req)
+            if req.trace is not None:
+                req.trace.span_since("prefill queue", "queued")
             self.waiting.popleft()
             req.state = ReqState.RUNNING
             self.running.append(req)

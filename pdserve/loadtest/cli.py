@@ -82,6 +82,10 @@ def _bench(cfg: BenchConfig) -> int:
     def on_run(outcome: RunOutcome) -> None:
         rows.append(report.result_row(outcome))
         print(report.format_table(rows[-1]), flush=True)
+        if "trace_hops" in rows[-1]:
+            from pdserve.loadtest.trace_breakdown import format_breakdown
+
+            print(format_breakdown(rows[-1]["trace_hops"]), flush=True)
         if cfg.output_file:
             report.append_jsonl(cfg.output_file, rows[-1])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import Callable
 
@@ -23,27 +24,33 @@ Counter = Callable[[str], int]
 
 async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt: Prompt,
                        run_start: float, timeout_s: float,
-                       count: Counter | None = None) -> RequestResult:
+                       count: Counter | None = None, trace_id: str = "") -> RequestResult:
+    """`trace_id`: send a W3C `traceparent` naming this trace (--trace-breakdown)."""
     state = StreamState()
     chunk_times: list[float] = []
+    headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"} if trace_id else None
+    sent_ns = time.time_ns()
     sent = time.perf_counter()
     error = ""
     try:
         async with asyncio.timeout(timeout_s):
-            error = await _stream(client, url, spec, prompt, state, chunk_times)
+            error = await _stream(client, url, spec, prompt, state, chunk_times, headers)
     except TimeoutError:
         error = f"timed out after {timeout_s:g}s"
     except httpx.HTTPError as exc:  # refused connection, reset, broken chunked stream...
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     end = time.perf_counter()
-    result = RequestResult(prompt_len=prompt.prompt_len, start=sent - run_start, e2el=end - sent)
+    result = RequestResult(prompt_len=prompt.prompt_len, start=sent - run_start, e2el=end - sent,
+                           trace_id=trace_id, sent_unix_ns=sent_ns)
     return _complete(result, state, chunk_times, sent, end, error, count)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt: Prompt,
-                  state: StreamState, chunk_times: list[float]) -> str:
+                  state: StreamState, chunk_times: list[float],
+                  headers: dict[str, str] | None = None) -> str:
     """Read the response into `state`/`chunk_times`; return an error text or ''."""
-    async with client.stream("POST", url, json=backends.build_payload(spec, prompt)) as resp:
+    async with client.stream("POST", url, json=backends.build_payload(spec, prompt),
+                             headers=headers) as resp:
         if resp.status_code >= 400:
             return f"HTTP {resp.status_code}: {_body_message(await resp.aread())}"
         async for line in resp.aiter_lines():

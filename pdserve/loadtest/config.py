@@ -36,6 +36,8 @@ FLAG_GROUPS = {
              "warmup_requests", "ignore_eos", "temperature", "json_schema"),
     "results": ("goodput", "percentiles", "output_file", "label", "plot", "save_detailed",
                 "disable_tqdm"),
+    "trace breakdown": ("trace_breakdown", "trace_receiver_host", "trace_receiver_port",
+                        "trace_wait_s"),
 }
 
 
@@ -92,6 +94,15 @@ class BenchConfig:
     save_detailed: bool = opt(False, "also store per-request ITLs, start times and generated "
                               "texts")
     disable_tqdm: bool = opt(False, "no progress bar")
+    # trace breakdown (docs/loadtest.md, docs/architecture.md: Tracing)
+    trace_breakdown: bool = opt(False, "send a W3C traceparent with every request, receive "
+                                "the servers' spans on an OTLP/HTTP receiver of our own, and "
+                                "report p50/p99 of each hop (ms); start the servers with "
+                                "--otlp-traces-endpoint http://HOST:PORT of "
+                                "--trace-receiver-host/--trace-receiver-port")
+    trace_receiver_host: str = opt("127.0.0.1", "address the trace receiver binds")
+    trace_receiver_port: int = opt(4318, "port of the trace receiver (4318: OTLP/HTTP's own)")
+    trace_wait_s: float = opt(10.0, "after a run, longest wait for the servers' spans")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -229,3 +240,8 @@ class BenchConfig:
                 raise ConfigError(f"--percentiles: {p:g} is not in (0, 100]")
         if self.plot and not self.plot.lower().endswith(".png"):
             raise ConfigError(f"--plot {self.plot!r}: expected a FILE.png path")
+        if not 0 <= self.trace_receiver_port < 65536:
+            raise ConfigError(f"--trace-receiver-port must be in 0..65535, got "
+                              f"{self.trace_receiver_port}")
+        if not self.trace_wait_s > 0:
+            raise ConfigError("--trace-wait-s must be > 0")

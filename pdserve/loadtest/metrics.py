@@ -32,6 +32,9 @@ class RequestResult:
     generated_text: str = ""
     cached_tokens: int | None = None
     finish_reason: str = ""
+    # --trace-breakdown: the request's trace id and when it was sent (wall clock, ns)
+    trace_id: str = ""
+    sent_unix_ns: int = 0
 
     @property
     def tpot(self) -> float | None:

@@ -68,6 +68,8 @@ def result_row(out: RunOutcome) -> dict:
         row.setdefault(key, value)
     row.update(out.server)
     row.update(request_arrays(out))
+    if out.trace_breakdown is not None:
+        row["trace_hops"] = out.trace_breakdown  # the flag itself is "trace_breakdown"
     return row
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from pdserve.loadtest.config import BenchConfig
 from pdserve.loadtest.dataset import Prompt, build_prompts
 from pdserve.loadtest.metrics import RequestResult
 from pdserve.loadtest.tokenizer import BenchTokenizer, load_tokenizer, try_load_tokenizer
+from pdserve.loadtest.trace_breakdown import TracedRequest, breakdown
+from pdserve.loadtest.trace_receiver import SpanReceiver
 
 
 class BenchError(RuntimeError):
@@ -47,6 +50,7 @@ class RunOutcome:
     model: str
     tokenizer: str
     server: dict = field(default_factory=dict)
+    trace_breakdown: dict | None = None  # --trace-breakdown (pdserve.loadtest.trace_breakdown)
 
 
 def note(msg: str) -> None:
@@ -108,7 +112,41 @@ async def warmup(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient) -> N
         note(f"{len(failed)}/{len(results)} warmup requests failed (first: {failed[0]})")
 
 
-async def run_once(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient) -> RunOutcome:
+def start_receiver(cfg: BenchConfig) -> SpanReceiver:
+    """--trace-breakdown's OTLP/HTTP receiver, listening before any request is sent."""
+    try:
+        receiver = SpanReceiver(cfg.trace_receiver_host, cfg.trace_receiver_port)
+    except ImportError as exc:
+        raise BenchError(f"--trace-breakdown needs opentelemetry-proto: pip install "
+                         f"'pdserve[trace]' ({exc})") from None
+    try:
+        port = receiver.start()
+    except OSError as exc:
+        raise BenchError(f"--trace-breakdown: cannot listen on {cfg.trace_receiver_host}:"
+                         f"{cfg.trace_receiver_port}: {exc}") from None
+    note(f"trace receiver on http://{cfg.trace_receiver_host}:{port}/v1/traces: the servers "
+         f"need --otlp-traces-endpoint http://{cfg.trace_receiver_host}:{port}")
+    return receiver
+
+
+def trace_report(cfg: BenchConfig, results: list[RequestResult],
+                 receiver: SpanReceiver) -> dict:
+    """Wait for the run's spans, then their breakdown (a run whose servers export nothing
+    says so instead of failing)."""
+    reqs = [TracedRequest(r.trace_id, r.sent_unix_ns,
+                          r.sent_unix_ns + int(r.ttft * 1e9) if r.success else None)
+            for r in results if r.trace_id]
+    spans = receiver.wait_for({r.trace_id for r in reqs}, cfg.trace_wait_s)
+    entry = breakdown(reqs, spans)
+    if not entry["traced"]:
+        note(f"--trace-breakdown: no span arrived in {cfg.trace_wait_s:g}s: were the servers "
+             f"started with --otlp-traces-endpoint http://{cfg.trace_receiver_host}:"
+             f"{receiver.port}?")
+    return entry
+
+
+async def run_once(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient,
+                   receiver: SpanReceiver | None = None) -> RunOutcome:
     prompts = setup.prompts
     times = arrival_times(len(prompts), cfg.request_rate, cfg.burstiness, cfg.seed)
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -122,7 +160,8 @@ async def run_once(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient) ->
         await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
         async with gate or contextlib.nullcontext():
             result = await send_request(client, cfg.url, setup.spec, prompts[i], start,
-                                        cfg.request_timeout, count)
+                                        cfg.request_timeout, count,
+                                        secrets.token_hex(16) if receiver else "")
         bar.update(1)
         return result
 
@@ -135,17 +174,25 @@ async def run_once(cfg: BenchConfig, setup: Setup, client: httpx.AsyncClient) ->
               "server_metrics_after": after,
               "server_metrics_delta": server_info.metrics_delta(before, after)}
     tok_name = setup.tokenizer.name if setup.tokenizer else ""
-    return RunOutcome(cfg, results, duration, setup.spec.model, tok_name, server)
+    traces = None
+    if receiver is not None:
+        traces = await asyncio.to_thread(trace_report, cfg, results, receiver)
+    return RunOutcome(cfg, results, duration, setup.spec.model, tok_name, server, traces)
 
 
 async def bench(cfg: BenchConfig, on_run: Callable[[RunOutcome], None]) -> list[RunOutcome]:
     """Every rate of the sweep in turn; `on_run` reports each run as soon as it ends, so a
     long sweep that is interrupted keeps the runs it finished."""
     outcomes = []
-    async with new_client(cfg) as client:
-        setup = await prepare(cfg, client)
-        await warmup(cfg, setup, client)
-        for rate in cfg.rates():
-            outcomes.append(await run_once(cfg.with_rate(rate), setup, client))
-            on_run(outcomes[-1])
+    receiver = start_receiver(cfg) if cfg.trace_breakdown else None
+    try:
+        async with new_client(cfg) as client:
+            setup = await prepare(cfg, client)
+            await warmup(cfg, setup, client)
+            for rate in cfg.rates():
+                outcomes.append(await run_once(cfg.with_rate(rate), setup, client, receiver))
+                on_run(outcomes[-1])
+    finally:
+        if receiver is not None:
+            receiver.stop()
     return outcomes

@@ -4,6 +4,7 @@ health, metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "code"}
 
 from __future__ import annotations
 
+import time
 from contextlib import aclosing
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from pdserve.http.protocol import (
 )
 from pdserve.http.sse import sse
 from pdserve.http.tokenize_routes import add_tokenize_routes
-from pdserve.node.frontend import Frontend
+from pdserve.node.frontend import Frontend, TraceStart
 from pdserve.node.sglang_routes import add_sglang_routes, sglang_server_info
 
 
@@ -84,6 +85,7 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
+        received = time.time_ns()
         ids = front.encode(body.validate_input())
         sp = body.sampling_params.model_dump()
         explicit = "max_new_tokens" in body.sampling_params.model_fields_set
@@ -95,7 +97,8 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         start = body.logprob_start_len if body.return_logprob else None
         # The client is watched in both modes: a stream's first event may be long in coming
         # (a decode leg waiting for its KV), and a leg its router gave up on must end here.
-        run = front.run(ids, sp, body.rid, leg, request.is_disconnected)
+        run = front.run(ids, sp, body.rid, leg, request.is_disconnected,
+                        _trace(request, received, leg is not None))
         if body.stream:
             return EventStream(_generate_sse(await _started(run), ids, start))
         last = None
@@ -106,19 +109,22 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
+        received = time.time_ns()
         body.check_common(model, front.cfg.max_n)
         prompts = encode_prompts(body.prompts(), front.encode)
-        return await _openai(body, prompts, request, "text_completion")
+        return await _openai(body, prompts, request, "text_completion", received)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
+        received = time.time_ns()
         body.check_common(model, front.cfg.max_n)
         msgs = [x.for_template() for x in body.messages]
         ids = chat_prompt_ids(front.tokenizer, msgs, tools=body.template_tools())
         front.check_ids(ids)
-        return await _openai(body, [ids], request, "chat.completion")
+        return await _openai(body, [ids], request, "chat.completion", received)
 
-    async def _openai(body, prompts: list[list[int]], request: Request, kind: str):
+    async def _openai(body, prompts: list[list[int]], request: Request, kind: str,
+                      received: int):
         default = 16 if kind == "text_completion" else front.default_max_tokens(prompts[0])
         plan = make_plan(body, prompts, kind, model, default, front.context_length,
                          front.cfg.truncate_max_tokens, token_text, front.cfg.tool_call_parser)
@@ -129,8 +135,9 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
             raise ApiError(400, "several prompts or n > 1 are not supported on a "
                                 "prefill/decode leg: the router sends each prompt and "
                                 "choice as its own request")
-        runs = [front.run(c.ids, c.sampling, leg=leg,
-                          disconnected=request.is_disconnected) for c in plan.choices]
+        runs = [front.run(c.ids, c.sampling, leg=leg, disconnected=request.is_disconnected,
+                          trace=_trace(request, received, leg is not None))
+                for c in plan.choices]
         if body.stream or len(runs) > 1:
             runs = await start_all(runs, _started, plan.leaders)
         if body.stream:
@@ -140,6 +147,12 @@ def build_app(front: Frontend, lifespan=None) -> FastAPI:
         if any(ev is None for ev in lasts):
             return error_response(499, "client disconnected")
         return final_response(plan.shape, lasts)
+
+    def _trace(request: Request, received: int, leg: bool) -> TraceStart | None:
+        """The request's trace context when tracing is on (a leg was resolved just now)."""
+        if front.tracer is None:
+            return None
+        return TraceStart(request.headers, received, time.time_ns() if leg else 0)
 
     add_sglang_routes(app, front, node_info)
     return app

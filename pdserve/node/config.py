@@ -17,6 +17,7 @@ from pdserve.http.tools import PARSERS
 from pdserve.models.tokenizer import read_chat_template
 from pdserve.pd.config import WILDCARDS, PDConfig
 from pdserve.ports import port_file_problem
+from pdserve.tracing import ENDPOINT_HELP, endpoint_problem
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SUB_CONFIGS = ("engine", "http", "role", "pd")  # not flags of the server group
@@ -50,6 +51,7 @@ class ServerConfig:
     tool_call_parser: str = opt("auto", "how chat answers are read for tool calls: the chat "
                                         "template's family (auto), hermes or llama3_json",
                                 choices=PARSERS)
+    otlp_traces_endpoint: str = opt("", ENDPOINT_HELP, metavar="URL")
     role: str = "colocated"  # colocated | prefill | decode (the subcommand)
     pd: PDConfig | None = None  # registry and KV transfer, for prefill/decode nodes
 
@@ -60,6 +62,8 @@ class ServerConfig:
             raise ConfigError(f"--port-file {self.port_file}: {why}")
         if self.max_queued_requests < 1 or self.request_timeout_s <= 0:
             raise ConfigError("--max-queued-requests and --request-timeout-s must be positive")
+        if why := endpoint_problem(self.otlp_traces_endpoint):
+            raise ConfigError(f"--otlp-traces-endpoint {self.otlp_traces_endpoint!r}: {why}")
         if self.max_n < 1:
             raise ConfigError(f"--max-n must be >= 1, got {self.max_n}")
         if self.watchdog_timeout_s < 0:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.http.detokenizer import IncrementalDetokenizer
 from pdserve.http.errors import ApiError
@@ -17,8 +18,22 @@ from pdserve.node.engine_client import EngineClient
 from pdserve.node.metrics import Metrics
 from pdserve.pd.leg import PDLegFields
 from pdserve.prompt_check import PromptError, check_prompt_ids
+from pdserve.tracing import make_tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 DISCONNECT_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class TraceStart:
+    """What a route knows of a request's trace: its headers (`traceparent`), when it
+    arrived and when its PD leg was resolved (`time.time_ns()`; 0: no leg)."""
+
+    headers: Mapping[str, str]
+    received_ns: int
+    resolved_ns: int = 0
 
 
 @dataclass
@@ -46,6 +61,8 @@ class Frontend:
         self.leg_resolver = None  # decode nodes: resolves prefill_node_id (registration.py)
         self.bootstrap_port: int | None = None  # prefill nodes: SGLang bootstrap endpoint
         self.draining = False  # set on SIGTERM (drain.py): new requests get 503 "draining"
+        # None unless --otlp-traces-endpoint: no OpenTelemetry module is loaded then.
+        self.tracer = make_tracer(cfg.otlp_traces_endpoint, f"pdserve-{cfg.role}")
 
     async def resolve_leg(self, given: dict) -> PDLegFields | None:
         """A body's PD leg fields (None: no leg), parsed once and completed (decode: the
@@ -98,10 +115,11 @@ class Frontend:
         return max(1, min(self.context_length, self.client.info.max_total_tokens) - len(ids))
 
     async def run(self, ids: list[int], sampling: dict, rid: str | None = None,
-                  leg: PDLegFields | None = None, disconnected=None
-                  ) -> AsyncGenerator[Event, None]:
+                  leg: PDLegFields | None = None, disconnected=None,
+                  trace: TraceStart | None = None) -> AsyncGenerator[Event, None]:
         """Yield an Event per token update until finished. Raises ApiError (400/408/429/503).
-        `disconnected` (an async callable, the HTTP request's) is polled while waiting."""
+        `disconnected` (an async callable, the HTTP request's) is polled while waiting.
+        `trace`: the request's trace context, used when tracing is on."""
         # The scheduler only ever sees an internal id: a client's rid is a label, and two
         # requests must never share one routing key (late updates of an old one would leak).
         if self.draining:  # routers retry "draining" elsewhere and stop picking us
@@ -114,17 +132,22 @@ class Frontend:
         deadline = t0 + self.cfg.request_timeout_s
         stop = sampling.get("stop")
         self.client_rids.add(rid)
+        span = self._request_span(trace, rid, len(ids)) if trace is not None else None
+        traced = span is not None and span.is_recording()
         try:
-            handle = await self.client.submit(
-                m.GenerateRequest(internal, ids, sampling, leg.to_wire() if leg else {}))
-        except BaseException:
+            handle = await self.client.submit(m.GenerateRequest(
+                internal, ids, sampling, leg.to_wire() if leg else {}, traced))
+        except BaseException as exc:
             self.client_rids.discard(rid)
+            self._end_span(span, exc)
             raise
         detok = IncrementalDetokenizer(self.tokenizer, [stop] if isinstance(stop, str) else stop)
         last, first, done = t0, None, False
         out_lp: list | None = None
         prompt_lp: list | None = None
         next_check = t0 + DISCONNECT_CHECK_S
+        kv_in = 0  # traced decode node: when the KV arrived (end of "decode receive")
+        failure: BaseException | None = None
         try:
             while not done:
                 u = await self._next_update(handle, deadline, disconnected)
@@ -142,8 +165,13 @@ class Frontend:
                         u.finish_reason != "error" else 500
                     status = 400 if u.error_code == "invalid_grammar" else status
                     raise ApiError(status, u.error, u.error_code)
+                if traced and u.trace:
+                    kv_in = self._record(span, u.trace) or kv_in
                 now = time.perf_counter()
                 if u.new_ids:
+                    if first is None and kv_in and self.tracer is not None and span is not None:
+                        # KV arrived -> the first token is here, in the HTTP process.
+                        self.tracer.child(span, "decode first token", kv_in, time.time_ns())
                     if first is None:
                         first = now
                         self.metrics.ttft.observe(now - t0)
@@ -158,7 +186,11 @@ class Frontend:
                     prompt_lp = [_entry(e) for e in u.prompt_logprobs]
                 yield Event(rid, delta, detok.emitted, list(detok.ids), len(ids), u.cached_tokens,
                             u.finish_reason, out_lp, prompt_lp)
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
+            self._end_span(span, failure if failure is not None or done else "aborted")
             self.client_rids.discard(rid)
             if not done:  # disconnect, timeout or error: still counted
                 self.metrics.requests.labels("abort").inc()
@@ -168,6 +200,33 @@ class Frontend:
             self.client.release(internal)
         assert u is not None  # the loop returned on None
         self._observe_end(t0, first, len(ids), len(detok.ids), u.finish_reason)
+
+    def _request_span(self, trace: TraceStart, rid: str, n_prompt: int) -> Span | None:
+        """This node's span of the request (a child of the router's), None when off."""
+        if self.tracer is None:
+            return None
+        span = self.tracer.server_span(f"{self.cfg.role} request", trace.headers,
+                                       trace.received_ns, rid=rid, prompt_tokens=n_prompt)
+        if trace.resolved_ns and self.cfg.role == "decode" and span.is_recording():
+            # the prefill's KV endpoints looked up (registry.py: PrefillPeerResolver)
+            self.tracer.child(span, "leg resolve", trace.received_ns, trace.resolved_ns)
+        return span
+
+    def _record(self, span: Span | None, spans: list) -> int:
+        """The scheduler's spans of this request under `span`; returns the end of its
+        "decode receive" span (the KV's arrival) when among them, else 0."""
+        assert self.tracer is not None and span is not None  # only traced requests ship spans
+        self.tracer.record(span, spans)
+        return next((int(s[2]) for s in spans if s[0] == "decode receive"), 0)
+
+    def _end_span(self, span: Span | None, failure: BaseException | str | None) -> None:
+        if span is None or self.tracer is None:
+            return
+        if isinstance(failure, GeneratorExit | asyncio.CancelledError):
+            failure = "aborted"  # the client (the router) left
+        elif isinstance(failure, BaseException):
+            failure = getattr(failure, "message", None) or type(failure).__name__
+        self.tracer.end(span, failure)
 
     async def _next_update(self, handle, deadline: float, disconnected) -> m.TokenUpdate | None:
         while True:

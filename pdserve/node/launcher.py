@@ -175,6 +175,8 @@ async def _serve_async(cfg, proc, to_sched, from_sched, model_path, http_sock) -
         if registry is not None:  # leave the registry first: no new legs come our way
             await asyncio.to_thread(registry.close)
         await client.close()  # tells the scheduler to abort what is left and exit
+        if front.tracer is not None:  # the spans still queued go out now
+            await asyncio.to_thread(front.tracer.shutdown)
 
     async def drain():
         """SIGTERM on a PD node: leave the registry first, then let open requests finish."""

@@ -18,6 +18,9 @@ class GenerateRequest:
     input_ids: list[int]
     sampling: dict  # SamplingParams fields
     leg: dict = field(default_factory=dict)  # PDLegFields.to_wire() ({}: not a PD leg)
+    # The request carries a sampled trace context: the scheduler records its spans
+    # (pdserve/tracing/marks.py) and ships them in `TokenUpdate.trace`.
+    traced: bool = False
 
 
 @dataclass
@@ -59,6 +62,9 @@ class TokenUpdate:
     # [logprob, [[id, logprob], ...]] or None; prompt entries once, with the first update.
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    # Traced requests only: spans recorded since the last update, each
+    # [name, start_ns, end_ns, {attribute: int | str}] (pdserve/tracing/marks.py).
+    trace: list | None = None
 
 
 @dataclass

@@ -106,7 +106,7 @@ class SchedulerService:
         try:
             params = SamplingParams(**msg.sampling)
             leg = PDLegFields.from_wire(msg.leg) if msg.leg else None
-            self.engine.add_request(msg.rid, msg.input_ids, params, leg)
+            self.engine.add_request(msg.rid, msg.input_ids, params, leg, traced=msg.traced)
         except (ValueError, TypeError) as exc:
             self._reply(m.Rejected(msg.rid, 400, str(exc)))
             return
@@ -139,6 +139,8 @@ class SchedulerService:
             u["logprobs"] = req.output_logprobs[start:len(req.output_ids)]
         if req.params.prompt_logprobs is not None and start == 0:
             u["prompt_logprobs"] = req.prompt_logprobs
+        if req.trace is not None and req.trace.spans:
+            u["trace"] = req.trace.take()
         return u
 
     def _maybe_stats(self) -> None:

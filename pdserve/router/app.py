@@ -11,6 +11,7 @@ are reported in-band and end the stream.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -150,6 +151,7 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
+        received = time.time_ns()
         prompt = body.validate_input()
         if body.leg_fields():
             raise ApiError(400, "bootstrap_room, prefill_node_id, bootstrap_host, "
@@ -164,7 +166,7 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
         extra = {k: getattr(body, k) for k in ("return_logprob", "top_logprobs_num",
                                                 "logprob_start_len")} \
             if body.return_logprob else None
-        flow = gw.flow(body.rid or uuid.uuid4().hex, ids, sp, extra)
+        flow = gw.flow(body.rid or uuid.uuid4().hex, ids, sp, extra, (request.headers, received))
         await until_disconnected(request, flow.start())
         if body.stream:
             return FlowResponse(flow, _generate_sse(flow))
@@ -176,25 +178,28 @@ def build_app(gw: Gateway, lifespan=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
+        received = time.time_ns()
         tok = await gw.tokenizer()
         body.check_common(gw.model_name, gw.cfg.max_n)
         prompts = encode_prompts(body.prompts(), tok.encode)
-        return await _openai(body, prompts, request, "text_completion", 16, tok)
+        return await _openai(body, prompts, request, "text_completion", 16, tok, received)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
+        received = time.time_ns()
         tok = await gw.tokenizer()
         body.check_common(gw.model_name, gw.cfg.max_n)
         ids = tok.chat([m.for_template() for m in body.messages], body.template_tools())
         return await _openai(body, [ids], request, "chat.completion",
-                             tok.default_max_tokens(ids), tok)
+                             tok.default_max_tokens(ids), tok, received)
 
     async def _openai(body, prompts: list[list[int]], request: Request, kind: str,
-                      default_max: int, tok):
+                      default_max: int, tok, received: int):
         plan = make_plan(body, prompts, kind, gw.model_name, default_max, tok.context_length,
                          gw.cfg.truncate_max_tokens, token_text(tok), gw.cfg.tool_call_parser)
         rid = uuid.uuid4().hex
-        flows = [gw.flow(rid if i == 0 else f"{rid}-{i}", c.ids, *sglang_fields(c.sampling))
+        flows = [gw.flow(rid if i == 0 else f"{rid}-{i}", c.ids, *sglang_fields(c.sampling),
+                         trace=(request.headers, received))
                  for i, c in enumerate(plan.choices)]
         leaders = set(plan.leaders)
         tasks: list[asyncio.Future] = []

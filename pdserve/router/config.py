@@ -16,6 +16,7 @@ from pdserve.http.tools import PARSERS
 from pdserve.models.tokenizer import read_chat_template
 from pdserve.ports import port_file_problem
 from pdserve.tokens import read_token_file
+from pdserve.tracing import ENDPOINT_HELP, endpoint_problem
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -83,9 +84,12 @@ class RouterConfig:
     tool_call_parser: str = _opt("auto", "how chat answers are read for tool calls: the "
                                          "chat template's family (auto), hermes or "
                                          "llama3_json", choices=PARSERS)
+    otlp_traces_endpoint: str = _opt("", ENDPOINT_HELP, metavar="URL")
     http: HttpLimits = field(default_factory=HttpLimits)  # its own flag group
 
     def __post_init__(self) -> None:
+        if why := endpoint_problem(self.otlp_traces_endpoint):
+            raise ConfigError(f"--otlp-traces-endpoint {self.otlp_traces_endpoint!r}: {why}")
         url = urlsplit(self.registry)
         if url.scheme not in ("http", "https") or not url.netloc:
             raise ConfigError(f"--registry {self.registry!r}: expected http://HOST:PORT")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import random
 import secrets
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -24,6 +26,11 @@ from pdserve.router.legs import LegError, LegHook, Legs
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.picker import order_decode, order_prefill
 from pdserve.router.watcher import RegistryWatcher
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from pdserve.tracing.otel import Tracer
 
 log = logging.getLogger("pdserve.router")
 
@@ -44,25 +51,34 @@ class Opened:
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, table: NodeTable, watcher: RegistryWatcher,
-                 http: httpx.AsyncClient, on_leg: LegHook, on_retry) -> None:
+                 http: httpx.AsyncClient, on_leg: LegHook, on_retry,
+                 tracer: Tracer | None = None) -> None:
         self.cfg, self.table, self.watcher, self.http = cfg, table, watcher, http
+        self.tracer = tracer  # None: tracing off (docs/architecture.md: Tracing)
         self.on_leg, self.on_retry = on_leg, on_retry
         self.rng = random.Random()
 
     async def open(self, ids: list[int], sampling: dict, rid: str,
                    exclude: set[str] | frozenset[str] = frozenset(),
-                   extra: dict | None = None) -> Opened:
+                   extra: dict | None = None, span: Span | None = None) -> Opened:
         """`exclude`: nodes to avoid while another is usable (a migration's dead node).
-        `extra`: more /generate fields for both legs (SGLang's logprob fields)."""
+        `extra`: more /generate fields for both legs (SGLang's logprob fields). `span`: the
+        request's trace span (None: untraced); both legs carry its `traceparent`."""
         excluded: set[str] = set(exclude)
         last: LegError | None = None
+        tracer = self.tracer if span is not None else None
+        headers = tracer.headers(span) if tracer is not None and span is not None else None
         for attempt in range(self.cfg.dispatch_attempts):
+            picked_at = time.time_ns() if tracer is not None else 0
             prefill, decode = await self.pick(ids, excluded, last)
+            if tracer is not None and span is not None:
+                tracer.child(span, "router pick", picked_at, time.time_ns(), attempt=attempt,
+                             prefill=prefill.node_id, decode=decode.node_id)
             body = {"input_ids": ids, "sampling_params": sampling,
                     "rid": f"{rid}-{attempt}", "bootstrap_room": secrets.randbits(63),
                     **(extra or {})}
             legs = Legs(self.http, prefill, decode, body, self.on_leg,
-                        self.cfg.stream_stall_timeout_s)
+                        self.cfg.stream_stall_timeout_s, headers)
             legs.start()
             try:
                 return Opened(legs, await legs.next())

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.http.errors import ApiError
 from pdserve.http.logprob_format import merge_prefill
@@ -20,6 +21,11 @@ from pdserve.router.events import DONE, Event, StreamFormatError, to_event
 from pdserve.router.legs import LegError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Stitcher, continuation, is_decode_death
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from pdserve.tracing.otel import Tracer
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,8 @@ class Migration:
 class Flow:
     def __init__(self, rid: str, ids: list[int], sampling: dict, admission: Admission,
                  dispatcher: Dispatcher, metrics: RouterMetrics, timeout_s: float,
-                 migration: Migration = Migration(0, None), extra: dict | None = None
-                 ) -> None:
+                 migration: Migration = Migration(0, None), extra: dict | None = None,
+                 tracer: Tracer | None = None, span: Span | None = None) -> None:
         self.rid, self.ids, self.sampling = rid, ids, sampling
         self.migration = migration
         self.migrations = 0
@@ -52,14 +58,18 @@ class Flow:
         self._slot = False
         self._closed = False
         self.outcome = "cancelled"
+        # The router's span of this request ("router receive", ended by close()); None
+        # when tracing is off (docs/architecture.md: Tracing).
+        self.tracer: Tracer | None = tracer
+        self.span: Span | None = span if tracer is not None else None
 
     async def start(self) -> None:
         """Queue, dispatch, first event. Raises ApiError (and closes itself) on failure."""
         try:
             await self._bounded(self.admission.acquire())
             self._slot = True
-            self.opened = await self._bounded(self.dispatcher.open(self.ids, self.sampling,
-                                                                   self.rid, extra=self.extra))
+            self.opened = await self._bounded(self.dispatcher.open(
+                self.ids, self.sampling, self.rid, extra=self.extra, span=self.span))
         except ApiError as exc:
             self.outcome = str(exc.code or exc.status)
             self.close()
@@ -159,20 +169,30 @@ class Flow:
         # Logprobs: the new pair computes the continuation's output entries; the prompt's
         # entries the client has are kept (the continuation's "prompt" is not the client's).
         extra = {**self.extra, "logprob_start_len": -1} if self.extra else None
+        began = time.time_ns() if self.span is not None else 0
         try:
             self.opened = await self._bounded(self.dispatcher.open(
                 ids, sampling, f"{self.rid}-m{self.migrations}", exclude=self.dead_decodes,
-                extra=extra))
+                extra=extra, span=self.span))
         except ApiError as again:
+            self._trace_migration(began, dead, "failed")
             self.metrics.migrations.labels("failed").inc()
             self.outcome = str(again.code or again.status)
             return ApiError(again.status, f"{err.message}; migrating the request failed: "
                                           f"{again.message}", again.code)
+        self._trace_migration(began, dead, "ok")
         self.metrics.migrations.labels("ok").inc()
         self._prefill_meta = None  # the new prefill node's answer (first-token entry)
         stop = self.sampling.get("stop") or []
         self.stitcher = Stitcher(last, m.tokenizer, [stop] if isinstance(stop, str) else stop)
         return self.opened.first
+
+    def _trace_migration(self, began: int, dead: str, outcome: str) -> None:
+        """The span of one migration: from the decode node's death being handled to the
+        new pair's first event (or the failure to find one)."""
+        if self.tracer is not None and self.span is not None:
+            self.tracer.child(self.span, "router migration", began, time.time_ns(),
+                              dead_decode=dead, migration=self.migrations, outcome=outcome)
 
     async def _bounded(self, awaitable):
         remaining = self.deadline - time.perf_counter()
@@ -206,3 +226,9 @@ class Flow:
         if self._slot:
             self.admission.release()
         self.metrics.requests.labels(self.outcome).inc()
+        if self.tracer is not None and self.span is not None:
+            o = self.opened
+            nodes = {"prefill": o.prefill.node_id, "decode": o.decode.node_id} if o else {}
+            ok = self.outcome in ("stop", "length", "abort", "cancelled")
+            self.tracer.end(self.span, None if ok else self.outcome, outcome=self.outcome,
+                            rid=self.rid, migrations=self.migrations, **nodes)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -20,6 +22,10 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.watcher import RegistryWatcher
+from pdserve.tracing import make_tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger("pdserve.router")
 
@@ -39,8 +45,10 @@ class Gateway:
             timeout=httpx.Timeout(None, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False)
+        # None unless --otlp-traces-endpoint: then no OpenTelemetry module is loaded at all.
+        self.tracer = make_tracer(cfg.otlp_traces_endpoint, "pdserve-router")
         self.dispatcher = Dispatcher(cfg, self.table, self.watcher, self.http, self._on_leg,
-                                     self.metrics.retries.inc)
+                                     self.metrics.retries.inc, self.tracer)
         self._tokenizer = tokenizer
         self._tokenizer_task: asyncio.Future | None = None
         self._warm_task: asyncio.Future | None = None
@@ -61,6 +69,8 @@ class Gateway:
                 await self._watch_task
         await self.http.aclose()
         await asyncio.to_thread(self.watcher.close)
+        if self.tracer is not None:  # the spans still queued go out now
+            await asyncio.to_thread(self.tracer.shutdown)
 
     @property
     def loaded_tokenizer(self) -> RouterTokenizer | None:
@@ -85,12 +95,23 @@ class Gateway:
         assert self._tokenizer is not None
         return self._tokenizer
 
-    def flow(self, rid: str, ids: list[int], sampling: dict, extra: dict | None = None
-             ) -> Flow:
+    def flow(self, rid: str, ids: list[int], sampling: dict, extra: dict | None = None,
+             trace: tuple[Mapping[str, str], int] | None = None) -> Flow:
+        """`trace`: the client request's headers and arrival time (`time.time_ns()`), for
+        its "router receive" span (ignored when tracing is off)."""
         tok = self._tokenizer.tok if self._tokenizer is not None else None
+        span = self.receive_span(rid, *trace) if trace is not None else None
         return Flow(rid, ids, sampling, self.admission, self.dispatcher, self.metrics,
                     self.cfg.request_timeout_s, Migration(self.cfg.migration_limit, tok),
-                    extra)
+                    extra, self.tracer, span)
+
+    def receive_span(self, rid: str, headers: Mapping[str, str], received_ns: int
+                     ) -> Span | None:
+        """The router's span of one request, a child of the client's `traceparent` when
+        it sent one; None when tracing is off."""
+        if self.tracer is None:
+            return None
+        return self.tracer.server_span("router receive", headers, received_ns, rid=rid)
 
     def _on_leg(self, node: NodeState, outcome: str) -> None:
         node.counts[outcome] = node.counts.get(outcome, 0) + 1

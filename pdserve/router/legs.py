@@ -185,8 +185,10 @@ async def stall_guarded(lines: AsyncIterator[str], stall_s: float) -> AsyncItera
 
 class Legs:
     def __init__(self, http: httpx.AsyncClient, prefill: NodeState, decode: NodeState,
-                 body: dict, on_leg: LegHook, stall_s: float = 0.0) -> None:
+                 body: dict, on_leg: LegHook, stall_s: float = 0.0,
+                 headers: dict[str, str] | None = None) -> None:
         self.http, self.prefill, self.decode = http, prefill, decode
+        self.headers = headers  # the trace context (`traceparent`) when traced, else None
         self.body, self.on_leg, self.stall_s = body, on_leg, stall_s
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
@@ -277,7 +279,8 @@ class Legs:
 
     async def _prefill(self, node: NodeState, body: dict) -> LegError | None:
         try:
-            resp = await self.http.post(f"{node.url}/generate", json=body)
+            resp = await self.http.post(f"{node.url}/generate", json=body,
+                                        headers=self.headers)
         except httpx.HTTPError as exc:
             return transport_error(node, "prefill", exc)
         if resp.status_code != 200:
@@ -326,7 +329,8 @@ class Legs:
 
     async def _decode(self, node: NodeState, body: dict) -> LegError | None:
         try:
-            async with self.http.stream("POST", f"{node.url}/generate", json=body) as resp:
+            async with self.http.stream("POST", f"{node.url}/generate", json=body,
+                                        headers=self.headers) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     return status_error(node, "decode", resp, self.prefill)

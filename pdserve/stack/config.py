@@ -11,6 +11,7 @@ from pdserve.config import HICACHE_STORAGE_BACKENDS
 from pdserve.flags import add_dataclass_flags, opt, values_from
 from pdserve.ports import port_file_problem
 from pdserve.tokens import read_token_file
+from pdserve.tracing import ENDPOINT_HELP, endpoint_problem
 
 TRANSFER_BACKENDS = ("", "mooncake", "tcp")
 
@@ -59,6 +60,8 @@ class StackConfig:
     registry_token: str = _opt("", "bearer token the registry requires for writes")
     registry_token_file: str = _opt("", "read --registry-token from this file (children "
                                         "get it as a file too, never in argv)")
+    otlp_traces_endpoint: str = _opt("", ENDPOINT_HELP + "; given to the router and every "
+                                     "node", metavar="URL")
     log_dir: str = _opt("", "folder for the children's logs (default: a new temp folder)")
     startup_timeout_s: float = _opt(900.0, "longest wait for every process to be healthy "
                                            "(the first start converts smollm2-135m)")
@@ -78,6 +81,8 @@ class StackConfig:
             raise ValueError("--transfer-backend must be mooncake or tcp")
         if self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
             raise ValueError("--hicache-storage-backend must be file or mooncake")
+        if why := endpoint_problem(self.otlp_traces_endpoint):
+            raise ValueError(f"--otlp-traces-endpoint {self.otlp_traces_endpoint!r}: {why}")
         if self.node_threads < 0:
             raise ValueError("--node-threads must be >= 0 (0: split the cores)")
         if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:

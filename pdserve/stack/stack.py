@@ -151,12 +151,18 @@ class Stack:
         if cfg.registry_token:
             cmd += ["--registry-token-file", self._token_file()]
         cmd += ["--transfer-backend", self.backend, "--threads", str(self.node_threads)]
+        cmd += self._trace_flags()
         cmd += self._gpu_share(role)
         if role == "prefill":
             cmd += self.storage_flags
         cmd += cfg.node_argv(role)  # last: its flags win (argparse keeps the last)
         return Member(name, Child(name, cmd, self.log_dir / f"{name}.log",
                                   port_file=port_file), role)
+
+    def _trace_flags(self) -> list[str]:
+        """Every member exports its spans to the same endpoint (one trace per request)."""
+        url = self.cfg.otlp_traces_endpoint
+        return ["--otlp-traces-endpoint", url] if url else []
 
     def _token_file(self) -> str:
         """The registry token as a file only we can read: never in a child's argv."""
@@ -212,6 +218,7 @@ class Stack:
             cmd += ["--revision", cfg.revision]
         if cfg.registry_token:
             cmd += ["--registry-token-file", self._token_file()]
+        cmd += self._trace_flags()
         cmd += shlex.split(cfg.router_args)
         return Member("router", Child("router", cmd, self.log_dir / "router.log",
                                       port_file=port_file, host=host))

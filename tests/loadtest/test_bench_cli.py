@@ -18,7 +18,8 @@ FLAGS = ("--base-url", "--backend", "--dataset-name", "--dataset-path", "--num-p
          "--plot", "--sweep-rates", "--tokenizer", "--model", "--endpoint",
          "--request-timeout", "--temperature", "--sharegpt-output-len", "--gsp-num-groups",
          "--gsp-system-prompt-len", "--gsp-question-len", "--gsp-output-len",
-         "--save-detailed", "--disable-tqdm", "--json-schema")
+         "--save-detailed", "--disable-tqdm", "--json-schema", "--trace-breakdown",
+         "--trace-receiver-host", "--trace-receiver-port", "--trace-wait-s")
 
 
 def parse(*argv: str) -> BenchConfig:
