@@ -43,8 +43,15 @@ def listen_port(sock: socket.socket, host: str, port: int, backlog: int = 2048) 
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        raise PortInUse(f"cannot listen on {host}:{port}: port {port} is already in use "
-                        f"({exc.strerror}); stop what holds it or pass another --port") from exc
+        raise _in_use(host, port, exc) from exc
+
+
+def _in_use(host: str, port: int, exc: OSError) -> PortInUse:
+    """The one sentence for a port this process cannot take, at bind or at listen."""
+    why = (f"port {port} is already in use ({exc.strerror})"
+           if exc.errno == errno.EADDRINUSE else exc.strerror)
+    return PortInUse(f"cannot listen on {host}:{port}: {why}; stop what holds it or pass "
+                     f"another --port")
 
 
 def port_file_problem(path: str) -> str | None:
@@ -84,10 +91,7 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.bind((host.strip("[]"), port))
     except OSError as exc:
         sock.close()
-        why = (f"port {port} is already in use ({exc.strerror})"
-               if exc.errno == errno.EADDRINUSE else exc.strerror)
-        raise PortInUse(f"cannot listen on {host}:{port}: {why}; stop what holds it or "
-                        f"pass another --port") from exc
+        raise _in_use(host, port, exc) from exc
     return sock
 
 

@@ -8,7 +8,7 @@ import shlex
 from dataclasses import dataclass, replace
 
 from pdserve.config import HICACHE_STORAGE_BACKENDS
-from pdserve.flags import add_dataclass_flags, opt, values_from
+from pdserve.flags import ConfigError, add_dataclass_flags, opt, values_from
 from pdserve.ports import port_file_problem
 from pdserve.tokens import read_token_file
 from pdserve.tracing import ENDPOINT_HELP, endpoint_problem
@@ -69,31 +69,31 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("--model is required")
+            raise ConfigError("--model is required")
         if self.prefill < 1 or self.decode < 1:
-            raise ValueError("--prefill and --decode must be >= 1")
+            raise ConfigError("--prefill and --decode must be >= 1")
         if self.port_file and (why := port_file_problem(self.port_file)):
-            raise ValueError(f"--port-file {self.port_file}: {why}")
+            raise ConfigError(f"--port-file {self.port_file}: {why}")
         for flag, port in (("--port", self.port), ("--registry-port", self.registry_port)):
             if not 0 <= port < 65536:
-                raise ValueError(f"{flag} must be in 0..65535, got {port}")
+                raise ConfigError(f"{flag} must be in 0..65535, got {port}")
         if self.transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError("--transfer-backend must be mooncake or tcp")
+            raise ConfigError("--transfer-backend must be mooncake or tcp")
         if self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
-            raise ValueError("--hicache-storage-backend must be file or mooncake")
+            raise ConfigError("--hicache-storage-backend must be file or mooncake")
         if why := endpoint_problem(self.otlp_traces_endpoint):
-            raise ValueError(f"--otlp-traces-endpoint {self.otlp_traces_endpoint!r}: {why}")
+            raise ConfigError(f"--otlp-traces-endpoint {self.otlp_traces_endpoint!r}: {why}")
         if self.node_threads < 0:
-            raise ValueError("--node-threads must be >= 0 (0: split the cores)")
+            raise ConfigError("--node-threads must be >= 0 (0: split the cores)")
         if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
-            raise ValueError("--startup-timeout-s and --stop-timeout-s must be > 0")
+            raise ConfigError("--startup-timeout-s and --stop-timeout-s must be > 0")
         for flag, text in (("--node-args", self.node_args), ("--prefill-args", self.prefill_args),
                            ("--decode-args", self.decode_args),
                            ("--router-args", self.router_args)):
             try:
                 shlex.split(text)
             except ValueError as exc:
-                raise ValueError(f"{flag}: {exc}") from None
+                raise ConfigError(f"{flag}: {exc}") from None
 
     def node_argv(self, role: str) -> list[str]:
         """The extra flags of a `role` node: --node-args, then that role's own (later flags

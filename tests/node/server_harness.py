@@ -23,8 +23,17 @@ REPO = Path(__file__).resolve().parents[2]
 _SERIAL = itertools.count(1)  # names the files of each server of this test process
 
 
+def small_kv(model: str) -> list[str]:
+    """A tiny model's node gets a 64 MiB KV pool (65k tokens of tiny-llama) instead of the
+    CPU default of 512 MiB, touched at start: the suite keeps many nodes alive at once (the
+    session stacks live until the run ends), and under two pytest-xdist workers the default
+    pools ran a 24 GiB machine out of memory. Flags given after it still win (argparse
+    keeps the last)."""
+    return ["--kv-cache-mb", "64"] if model.startswith("tiny-") else []
+
+
 def serve_cmd(*flags: str, port: int | None = None, model: str = MODEL) -> list[str]:
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model]
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, *small_kv(model)]
     if port is not None:
         cmd += ["--port", str(port)]
     return cmd + list(flags)

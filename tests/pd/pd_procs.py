@@ -118,7 +118,10 @@ class Node(Proc):
                     "--registry", registry.url, "--port", "0", "--port-file",
                     str(self.port_file), "--node-id", self.node_id, "--transfer-backend",
                     backend, "--log-level", "warning",
-                    "--loop", "overlap", *flags]  # as before auto: --disable-overlap still wins
+                    "--loop", "overlap",
+                    # 64 MiB KV pools (see tests/node/server_harness.py small_kv)
+                    *(["--kv-cache-mb", "64"] if model.startswith("tiny-") else []),
+                    *flags]  # as before auto: --disable-overlap still wins
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Node:
         """Serving (it wrote its port file: after it registered) and in the registry."""
