@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+from node_memory import small_kv
 
 from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import wait_port_file
@@ -21,15 +22,6 @@ MODEL = "tiny-llama"
 STARTUP_TIMEOUT_S = 180  # ~10-20 s on a quiet 2-core machine; loaded CI is slower
 REPO = Path(__file__).resolve().parents[2]
 _SERIAL = itertools.count(1)  # names the files of each server of this test process
-
-
-def small_kv(model: str) -> list[str]:
-    """A tiny model's node gets a 64 MiB KV pool (65k tokens of tiny-llama) instead of the
-    CPU default of 512 MiB, touched at start: the suite keeps many nodes alive at once (the
-    session stacks live until the run ends), and under two pytest-xdist workers the default
-    pools ran a 24 GiB machine out of memory. Flags given after it still win (argparse
-    keeps the last)."""
-    return ["--kv-cache-mb", "64"] if model.startswith("tiny-") else []
 
 
 def serve_cmd(*flags: str, port: int | None = None, model: str = MODEL) -> list[str]:

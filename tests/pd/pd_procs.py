@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from node_memory import small_kv
 
 from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import (
@@ -118,9 +119,7 @@ class Node(Proc):
                     "--registry", registry.url, "--port", "0", "--port-file",
                     str(self.port_file), "--node-id", self.node_id, "--transfer-backend",
                     backend, "--log-level", "warning",
-                    "--loop", "overlap",
-                    # 64 MiB KV pools (see tests/node/server_harness.py small_kv)
-                    *(["--kv-cache-mb", "64"] if model.startswith("tiny-") else []),
+                    "--loop", "overlap", *small_kv(model),
                     *flags]  # as before auto: --disable-overlap still wins
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Node:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+from node_memory import small_kv
 
 from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import (
@@ -35,8 +36,6 @@ STARTUP_TIMEOUT_S = 240  # ~30 s on a quiet 2-core machine; loaded CI is slower
 BACKEND = os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "tcp")
 _ROW = re.compile(r"^  (\S+)\s+(http://\S+)(?:\s+\(pid (\d+)\))?", re.M)
 _SERIAL = itertools.count(1)  # names the files of each router of this test process
-# 64 MiB KV pools, not the CPU default of 512 MiB: see tests/node/server_harness.py small_kv.
-SMALL_KV = ("--kv-cache-mb", "64")
 
 
 def pdserve(*args: str) -> list[str]:
@@ -81,7 +80,7 @@ class Up:
                            str(decode), "--port", "0", "--port-file", str(self.port_file),
                            "--transfer-backend", BACKEND,
                            "--log-dir", str(log_dir / "children"),
-                           "--node-args=" + " ".join(SMALL_KV), *flags)
+                           "--node-args=" + " ".join(small_kv(MODEL)), *flags)
         self.out_path = log_dir / "up.out"
         self.proc: subprocess.Popen | None = None
         self.urls: dict[str, str] = {}
@@ -164,7 +163,7 @@ class Node:
         self.port_file = log_dir / f"{node_id}.port"
         self.cmd = pdserve(role, "--model", MODEL, "--port", "0", "--port-file",
                            str(self.port_file), "--registry", registry, "--node-id", node_id,
-                           "--transfer-backend", BACKEND, *SMALL_KV, *flags)
+                           "--transfer-backend", BACKEND, *small_kv(MODEL), *flags)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Node:
