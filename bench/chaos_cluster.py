@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.ports import wait_port_file
+from pdserve.ports import wait_serving
 
 MODEL = "tiny-llama"
 # Short registry TTL and KV heartbeat: dead nodes leave within seconds, so a soak of a few
@@ -70,17 +70,11 @@ class Member:
         return False
 
     def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        if not self.port:
-            assert self.proc is not None
-            try:
-                self.port = wait_port_file(self.port_file, self.proc, timeout_s)
-            except (RuntimeError, TimeoutError) as exc:
-                raise RuntimeError(f"{self.name}: {exc}; see {self.log}") from None
-        while not self.ready():
-            if not self.alive or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not become ready; see {self.log}")
-            time.sleep(0.3)
+        """Serving: it wrote its port (every start does, a restart the port it asked for)
+        and /health answers 200; else it is stopped and the error ends with its log."""
+        assert self.proc is not None
+        self.port = wait_serving(self.proc, self.port_file, timeout_s, name=self.name,
+                                 log=self.log, stop=lambda _: self.stop(), poll_s=0.3)
 
     def signal_group(self, sig: int) -> None:
         if self.proc is not None:

@@ -17,12 +17,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
-from pdserve.ports import wait_port_file
+from pdserve.ports import start_and_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
@@ -34,29 +33,23 @@ def start(cmd: list[str], log: Path, timeout_s: float = 900) -> tuple[subprocess
     """Start `cmd` (`pdserve serve` or `up`) on a port it picks (`--port 0 --port-file`,
     added here); the process and its URL once a real request round-trips."""
     port_file = log.with_suffix(".port")
-    port_file.unlink(missing_ok=True)
     cmd = [*cmd, "--port", "0", "--port-file", str(port_file)]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + timeout_s
+    proc, port = start_and_wait(
+        lambda: subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                 start_new_session=True),
+        port_file, timeout_s, name=f"pdserve {cmd[3]}", ready=_round_trips, log=log, stop=stop,
+        poll_s=1)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _round_trips(url: str) -> bool:
+    """Ready = a real request round-trips (the router is up before its nodes)."""
     try:
-        url = f"http://127.0.0.1:{wait_port_file(port_file, proc, timeout_s)}"
-    except (RuntimeError, TimeoutError) as exc:
-        stop(proc)
-        raise RuntimeError(f"{cmd[2]}: {exc}; see {log}") from None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[2]} exited; see {log}")
-        try:  # ready = a real request round-trips (the router is up before its nodes)
-            r = httpx.post(f"{url}/generate", timeout=30, json={
-                "input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 2}})
-            if r.status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop(proc)
-    raise RuntimeError(f"{cmd[2]} not ready; see {log}")
+        r = httpx.post(f"{url}/generate", timeout=30, json={
+            "input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 2}})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
 
 
 def stop(proc: subprocess.Popen) -> None:

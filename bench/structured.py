@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from pdserve.ports import wait_port_file
+from pdserve.ports import start_and_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
@@ -41,28 +37,15 @@ SCHEMA = {"type": "object", "properties": {"items": {
 def start_node(model: str, log: Path) -> tuple[subprocess.Popen, int]:
     """`pdserve serve` on a port it picks (`--port 0 --port-file`); it and its port."""
     port_file = log.with_suffix(".port")
-    port_file.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model", model,
-                             "--port", "0", "--port-file", str(port_file)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
     try:
-        port = wait_port_file(port_file, proc, 300)
-    except (RuntimeError, TimeoutError) as exc:
-        proc.kill()
-        raise SystemExit(f"node: {exc}; see {log}") from None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"node exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)  # the node and its scheduler process
-    raise SystemExit(f"node did not start in 300 s; see {log}")
+        return start_and_wait(
+            lambda: subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--port",
+                 "0", "--port-file", str(port_file)],
+                stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True),
+            port_file, 300, name="node", log=log, poll_s=0.5)
+    except (RuntimeError, TimeoutError) as exc:  # killed with its scheduler process
+        raise SystemExit(str(exc)) from None
 
 
 def bench(port: int, conc: int, prompts: int, args, schema: Path | None, out: Path) -> dict:

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.ports import free_port, wait_port_file
+from pdserve.ports import free_port, wait_ready, wait_serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
@@ -142,29 +142,25 @@ def start_server(name: str, cmd: list[str], env: dict, where: str | Path, log: P
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, stdin=subprocess.DEVNULL)
     _LIVE.append(proc)
-    deadline = t0 + timeout_s
-    url = where
     if isinstance(where, Path):
-        try:
-            url = f"http://127.0.0.1:{wait_port_file(where, proc, timeout_s)}"
-        except (RuntimeError, TimeoutError) as exc:
-            stop(proc)
-            raise RuntimeError(f"{name}: {exc}; log {log}:\n{_tail(log)}") from None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            stop(proc)
-            raise RuntimeError(f"{name} exited with {proc.returncode} while starting; "
-                               f"log {log}:\n{_tail(log)}")
-        try:
-            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-                "model": SERVED_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
-            if r.status_code == 200:
-                return proc, time.monotonic() - t0, str(url)
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop(proc)
-    raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s; log {log}:\n{_tail(log)}")
+        port = wait_serving(proc, where, timeout_s, name=name, ready=_completes, log=log,
+                            stop=stop, poll_s=1)
+        url = f"http://127.0.0.1:{port}"
+    else:
+        url = where
+        wait_ready(proc, url, timeout_s, name=name, ready=_completes, log=log, stop=stop,
+                   poll_s=1)
+    return proc, time.monotonic() - t0, url
+
+
+def _completes(url: str) -> bool:
+    """Ready = a real 1-token completion round-trips."""
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": SERVED_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
 
 
 def pdserve_cmd(args, port_file: Path) -> list[str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.flags import ConfigError, opt
 from pdserve.http.limits import HttpLimits
-from pdserve.ports import port_file_problem
+from pdserve.ports import check_port_file
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -46,8 +46,7 @@ class RegistryConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        if self.port_file and (why := port_file_problem(self.port_file)):
-            raise ConfigError(f"--port-file {self.port_file}: {why}")
+        check_port_file(self.port_file)
         if self.store != "memory" and not self.store.startswith(REDIS_SCHEMES):
             raise ConfigError(
                 f"--store must be 'memory' or a redis://HOST:PORT/DB URL, got {self.store!r}"

@@ -1,16 +1,22 @@
-"""Loopback port helpers shared by every process kind that listens (node, router, stack)."""
+"""Loopback port helpers shared by every process kind that listens (node, router, stack),
+and by whoever starts one of them on port 0 and waits until it serves (test harnesses,
+benchmarks, `pdserve profile`)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import signal
 import socket
+import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
+
+from pdserve.flags import ConfigError
 
 
 class PortInUse(RuntimeError):
@@ -65,6 +71,13 @@ def port_file_problem(path: str) -> str | None:
     if Path(path).is_dir():
         return "is a folder"
     return None
+
+
+def check_port_file(path: str | None) -> None:
+    """A config's `--port-file` check (its `__post_init__`): ConfigError naming the flag
+    when `path` is given and could not be written later."""
+    if path and (why := port_file_problem(path)):
+        raise ConfigError(f"--port-file {path}: {why}")
 
 
 def tcp_socket(family: int) -> socket.socket:
@@ -133,11 +146,12 @@ class _Child(Protocol):
 
 
 def wait_port_file(path: str | os.PathLike[str], proc: _Child, timeout: float,
-                   poll_s: float = 0.05) -> int:
+                   poll_s: float = 0.05, name: str = "the server") -> int:
     """Wait until the server `proc` (a subprocess.Popen started with `--port-file path`)
     wrote its port, and return it. Fails at once (RuntimeError with its exit code) when the
     process dies first; TimeoutError after `timeout` seconds. Remove a stale `path` before
-    starting the process: a file left by an earlier run would be read as this one's."""
+    starting the process: a file left by an earlier run would be read as this one's.
+    `name` names the process in the errors. Most callers want `wait_serving` (below)."""
     deadline = time.monotonic() + timeout
     while True:
         port = read_port_file(path)
@@ -145,11 +159,143 @@ def wait_port_file(path: str | os.PathLike[str], proc: _Child, timeout: float,
             return port
         code = proc.poll()
         if code is not None:
-            raise RuntimeError(f"the server exited with {code} before writing its port to "
+            raise RuntimeError(f"{name} exited with {code} before writing its port to "
                                f"{path}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the server wrote no port to {path} within {timeout:g}s")
+            raise TimeoutError(f"{name} wrote no port to {path} within {timeout:g}s")
         time.sleep(poll_s)
+
+
+# -- start a server and wait until it serves -------------------------------------------------
+#
+# What every parent of one of our servers does (test harnesses, benchmarks, `pdserve
+# profile`): remove a stale port file, spawn, wait for the port file, poll a readiness
+# check until it passes, all within one timeout; on failure stop the process and say why
+# with the end of its log.
+
+Log = str | os.PathLike[str] | Callable[[], str]
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """`GET url` answered 200 (any HTTP error, a refused connection included: False)."""
+    import httpx  # here: the servers that import this module need no HTTP client
+
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def log_tail(log: Log | None, chars: int = 4000) -> str:
+    """The last `chars` characters of a log file (or of what a callable returns), and where
+    the file is: what a start-up error shows. Empty for no log."""
+    if log is None:
+        return ""
+    if callable(log):
+        return f":\n{log()[-chars:]}"
+    try:
+        text = Path(log).read_text(errors="replace")[-chars:]
+    except OSError as exc:
+        return f"; log {log} unreadable ({exc.strerror})"
+    return f"; log {log}:\n{text}"
+
+
+def kill_child(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL `proc` while it runs (with its process group when it leads one: started with
+    `start_new_session`, its scheduler process goes too), then reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def wait_serving(proc: subprocess.Popen[Any], port_file: str | os.PathLike[str],
+                 timeout: float, *, name: str = "the server",
+                 ready: Callable[[str], bool] | None = None, log: Log | None = None,
+                 stop: Callable[[subprocess.Popen[Any]], object] | None = None,
+                 host: str = "127.0.0.1", poll_s: float = 0.25) -> int:
+    """The port of `proc` (one of our servers, started with `--port 0 --port-file
+    port_file`) once it serves: it wrote its port, then `ready(base_url)` passed (default:
+    `GET /health` answers 200), both within `timeout` seconds from now, checked every
+    `poll_s`. On failure `stop(proc)` runs (default: kill_child), then: RuntimeError when
+    the process exited (with its exit code), TimeoutError when it was not ready in time,
+    each naming it (`name`) and ending with the end of its `log` (a file, or a callable
+    returning the text). Any other exception (from `ready`, Ctrl-C) also stops it first."""
+    deadline = time.monotonic() + timeout
+
+    def wait() -> int | RuntimeError | TimeoutError:
+        try:
+            port = wait_port_file(port_file, proc, timeout, name=name)
+        except (RuntimeError, TimeoutError) as exc:
+            return exc
+        return _until_ready(proc, f"http://{host}:{port}", deadline, timeout, name,
+                            f" (it wrote port {port} to {port_file})", ready, poll_s) or port
+
+    return _stopped_on_failure(proc, wait, log, stop)
+
+
+def wait_ready(proc: subprocess.Popen[Any], url: str, timeout: float, *,
+               name: str = "the server", ready: Callable[[str], bool] | None = None,
+               log: Log | None = None,
+               stop: Callable[[subprocess.Popen[Any]], object] | None = None,
+               poll_s: float = 0.25) -> None:
+    """wait_serving for a server that cannot report its port (vLLM), started on `url`: the
+    readiness part alone, with the same failures."""
+    deadline = time.monotonic() + timeout
+    _stopped_on_failure(proc, lambda: _until_ready(proc, url, deadline, timeout, name, "",
+                                                   ready, poll_s), log, stop)
+
+
+def _until_ready(proc: subprocess.Popen[Any], url: str, deadline: float, timeout: float,
+                 name: str, where: str, ready: Callable[[str], bool] | None,
+                 poll_s: float) -> RuntimeError | TimeoutError | None:
+    """Poll until `ready(url)` (default: /health answers 200): None, or the error to raise
+    once the process is stopped."""
+    check = ready or (lambda base: http_ok(f"{base}/health"))
+    while True:
+        code = proc.poll()
+        if code is not None:
+            return RuntimeError(f"{name} exited with {code} during start-up{where}")
+        if check(url):
+            return None
+        if time.monotonic() > deadline:
+            return TimeoutError(f"{name} not ready at {url} within {timeout:g}s{where}")
+        time.sleep(poll_s)
+
+
+_T = TypeVar("_T")
+
+
+def _stopped_on_failure(proc: subprocess.Popen[Any],
+                        wait: Callable[[], _T | RuntimeError | TimeoutError], log: Log | None,
+                        stop: Callable[[subprocess.Popen[Any]], object] | None) -> _T:
+    """What `wait()` returns, unless it returns an error: then `proc` is stopped and the
+    error raised with the end of its log. Stopped on any exception too."""
+    halt = stop or kill_child
+    try:
+        outcome = wait()
+    except BaseException:
+        halt(proc)
+        raise
+    if isinstance(outcome, (RuntimeError, TimeoutError)):
+        halt(proc)  # first: the log then ends with what the process printed last
+        raise type(outcome)(f"{outcome}{log_tail(log)}")
+    return outcome
+
+
+def start_and_wait(spawn: Callable[[], subprocess.Popen[Any]],
+                   port_file: str | os.PathLike[str], timeout: float,
+                   **kwargs: Any) -> tuple[subprocess.Popen[Any], int]:
+    """Remove a stale `port_file` (an earlier run's would be read as this one's), start the
+    server (`spawn()`: a Popen with `--port 0 --port-file port_file`), and wait_serving
+    (`kwargs`: its keyword arguments); the process and its port."""
+    Path(port_file).unlink(missing_ok=True)
+    proc = spawn()
+    return proc, wait_serving(proc, port_file, timeout, **kwargs)
 
 
 @contextlib.contextmanager

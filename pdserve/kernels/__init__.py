@@ -58,8 +58,11 @@ def compiler() -> bytes:
     return out.splitlines()[0] if out else b"unknown compiler"
 
 
+@functools.cache
 def sources_hash() -> str:
-    """sha256 of the kernel sources' text (the .cpp files and the headers)."""
+    """sha256 of the kernel sources' text (the .cpp files and the headers). Read once per
+    process: a load asks twice (the prebuilt builds' manifests, the native build's folder)
+    and the sources do not change while it runs."""
     text = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(HERE.glob("*.h"))])
     return hashlib.sha256(text).hexdigest()
 

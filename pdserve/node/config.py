@@ -16,7 +16,7 @@ from pdserve.http.limits import HttpLimits
 from pdserve.http.tools import PARSERS
 from pdserve.models.tokenizer import read_chat_template
 from pdserve.pd.config import WILDCARDS, PDConfig
-from pdserve.ports import port_file_problem
+from pdserve.ports import check_port_file
 from pdserve.tracing import ENDPOINT_HELP, endpoint_problem
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -58,8 +58,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        if self.port_file and (why := port_file_problem(self.port_file)):
-            raise ConfigError(f"--port-file {self.port_file}: {why}")
+        check_port_file(self.port_file)
         if self.max_queued_requests < 1 or self.request_timeout_s <= 0:
             raise ConfigError("--max-queued-requests and --request-timeout-s must be positive")
         if why := endpoint_problem(self.otlp_traces_endpoint):

@@ -8,7 +8,7 @@ most of a short request's TTFT (median of 20 single requests at load ~2; ~20 ms 
   the scheduler loop's emit, detokenization and an SSE line;
 - PD stack (router + 1 prefill + 1 decode): the router's HTTP in and its two legs, the
   decode leg's registry lookup, pre-allocation and the control message to the prefill
-  (which sees it at its next 2 ms poll), the commit at the decode node's next poll, and
+  (whose forward runs meanwhile; its KV waits for it), the commit on the decode node, and
   every token through the decode node's HTTP process, the router and back to the client;
   on a machine whose cores the forward fills, that per-token work also slows each step.
 Each path gets 16 streaming requests one at a time, sent and timed by `pdserve bench`'s own
@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
@@ -41,7 +40,7 @@ from pdserve.config import EngineConfig
 from pdserve.loadtest.backends import RequestSpec
 from pdserve.loadtest.client import send_request
 from pdserve.loadtest.dataset import Prompt
-from pdserve.ports import wait_port_file
+from pdserve.ports import wait_serving
 
 
 def _command(proc: subprocess.Popen) -> str:
@@ -91,22 +90,14 @@ def _typical(url: str, ids: list[int], new: int,
             sorted(r[0] for r in runs), sorted(r[1] for r in runs))
 
 
-def _ready(client: httpx.Client, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+def _round_trips(client: httpx.Client, url: str) -> bool:
     """Ready = a real request round-trips (a router is up before its nodes)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"`{_command(proc)}` exited while starting")
-        try:
-            r = client.post(f"{url}/generate", json={
-                "input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 2}})
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"`{_command(proc)}` did not become ready")
-        time.sleep(0.5)
+    try:
+        r = client.post(f"{url}/generate", json={
+            "input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 2}})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
 
 
 def _measure(cmd: list[str], ids: list[int], new: int, reps: int,
@@ -120,14 +111,11 @@ def _measure(cmd: list[str], ids: list[int], new: int, reps: int,
                                 start_new_session=True)
         try:  # from here on the server is stopped on every way out (its own session:
             # a Ctrl-C here never reaches it)
-            try:
-                port = wait_port_file(port_file, proc, timeout_s)
-            except (RuntimeError, TimeoutError) as exc:
-                raise RuntimeError(f"`{_command(proc)}`: {exc}") from None
-            url = f"http://127.0.0.1:{port}"
             with httpx.Client(timeout=60) as client:
-                _ready(client, proc, url, timeout_s)
-            return _typical(url, ids, new, reps)
+                port = wait_serving(proc, port_file, timeout_s, name=f"`{_command(proc)}`",
+                                    ready=lambda url: _round_trips(client, url),
+                                    stop=_stop, poll_s=0.5)
+            return _typical(f"http://127.0.0.1:{port}", ids, new, reps)
         finally:
             _stop(proc)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.config import HICACHE_STORAGE_BACKENDS
 from pdserve.flags import ConfigError, add_dataclass_flags, opt, values_from
-from pdserve.ports import port_file_problem
+from pdserve.ports import check_port_file
 from pdserve.tokens import read_token_file
 from pdserve.tracing import ENDPOINT_HELP, endpoint_problem
 
@@ -72,8 +72,7 @@ class StackConfig:
             raise ConfigError("--model is required")
         if self.prefill < 1 or self.decode < 1:
             raise ConfigError("--prefill and --decode must be >= 1")
-        if self.port_file and (why := port_file_problem(self.port_file)):
-            raise ConfigError(f"--port-file {self.port_file}: {why}")
+        check_port_file(self.port_file)
         for flag, port in (("--port", self.port), ("--registry-port", self.registry_port)):
             if not 0 <= port < 65536:
                 raise ConfigError(f"{flag} must be in 0..65535, got {port}")

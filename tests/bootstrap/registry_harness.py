@@ -30,7 +30,7 @@ import redis
 
 from pdserve.ports import (
     free_port,  # noqa: F401 (re-exported: a port known in advance)
-    wait_port_file,
+    start_and_wait,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,24 +60,18 @@ class Registry:
         port = self.port if port is None else port
         cmd = [*self.entry, "--host", "127.0.0.1", "--port", str(port), "--port-file",
                str(self.port_file), "--log-level", "info", *self.args]
-        self.port_file.unlink(missing_ok=True)  # the previous start's
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        try:
-            self.port = wait_port_file(self.port_file, self.proc, timeout_s)
-        except (RuntimeError, TimeoutError) as exc:
-            self.stop()
-            raise RuntimeError(f"registry: {exc}:\n{self.log()}") from None
+
+        def spawn() -> subprocess.Popen[bytes]:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log,
+                                             stderr=subprocess.STDOUT)
+            return self.proc
+
+        _, self.port = start_and_wait(spawn, self.port_file, timeout_s, name="registry",
+                                      ready=_healthy, log=self.log, stop=lambda _: self.stop(),
+                                      poll_s=0.05)
         assert port in (0, self.port), (port, self.port)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"registry exited {self.proc.returncode}:\n{self.log()}")
-            if _healthy(self.url):
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"registry did not come up in {timeout_s}s:\n{self.log()}")
+        return self
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

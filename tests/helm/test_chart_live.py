@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from live_procs import free_port, pdserve, running, serving_port, wait_http
+from live_procs import free_port, pdserve, running, serving_url
 from manifests import FULLNAME, get, main_container, pdserve_argv, tier
 
 PASSWORD = "pw-for-the-test"
@@ -61,9 +61,8 @@ def test_rendered_redis_requires_its_password_and_the_registry_uses_it(render, t
         argv[argv.index("--host") + 1] = "127.0.0.1"
         argv += ["--port-file", str(tmp_path / "registry.port")]
         with running(pdserve(*argv), tmp_path / "registry.log") as reg:
-            reg_port = serving_port(tmp_path / "registry.port", reg, tmp_path / "registry.log")
-            base = f"http://127.0.0.1:{reg_port}"
-            wait_http(f"{base}/readyz", reg, tmp_path / "registry.log")
+            base = serving_url(tmp_path / "registry.port", reg, tmp_path / "registry.log",
+                               "/readyz")
             r = httpx.get(f"{base}/readyz", timeout=5).json()
             assert r["store"] == "redis", r
 
@@ -95,8 +94,7 @@ def live_metrics(tmp_path_factory) -> dict[str, set[str]]:
 
     out: dict[str, set[str]] = {}
     with running(pdserve("registry", *where("registry")), logs["registry"]) as reg:
-        registry = f"http://127.0.0.1:{serving_port(files['registry'], reg, logs['registry'])}"
-        wait_http(f"{registry}/readyz", reg, logs["registry"])
+        registry = serving_url(files["registry"], reg, logs["registry"], "/readyz")
         node = ("--model", "tiny-llama", "--registry", registry, "--transfer-backend", "tcp")
         with running(pdserve("prefill", *node, *where("prefill"),
                              "--enable-hierarchical-cache"), logs["prefill"]) as p, \
@@ -104,11 +102,9 @@ def live_metrics(tmp_path_factory) -> dict[str, set[str]]:
              running(pdserve("router", "--registry", registry, *where("router"), "--model",
                              "tiny-llama", "--registry-poll-s", "0.2"), logs["router"]) as r:
             procs = {"prefill": p, "decode": d, "router": r}
-            urls = {role: f"http://127.0.0.1:{serving_port(files[role], proc, logs[role])}"
+            urls = {role: serving_url(files[role], proc, logs[role],
+                                      "/health" if role == "router" else "/readyz")
                     for role, proc in procs.items()}
-            for role, proc in procs.items():
-                wait_http(f"{urls[role]}/readyz" if role != "router" else
-                          f"{urls[role]}/health", proc, logs[role])
             for _ in range(100):  # the router sees both nodes, then one request goes through
                 ok = httpx.post(f"{urls['router']}/generate", timeout=60, json={
                     "text": "hello", "sampling_params": {"max_new_tokens": 4}})

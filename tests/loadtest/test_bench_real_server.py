@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pdserve.cli import main
-from pdserve.ports import wait_port_file
+from pdserve.ports import wait_serving
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[2]
@@ -21,25 +19,16 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
-    log = open(folder / "serve.log", "w")
+    log_path = folder / "serve.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "serve", "--model", "tiny-llama", "--port",
          "0", "--port-file", str(folder / "port")], cwd=REPO, stdout=log,
         stderr=subprocess.STDOUT)
     try:
-        url = f"http://127.0.0.1:{wait_port_file(folder / 'port', proc, 180)}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "pdserve serve exited during start-up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("pdserve serve did not become healthy")
-        yield url
+        port = wait_serving(proc, folder / "port", 180, name="pdserve serve", log=log_path,
+                            poll_s=0.5)
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:

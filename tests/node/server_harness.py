@@ -16,7 +16,7 @@ import httpx
 from node_memory import small_kv
 
 from pdserve.loadtest.server_info import server_info_after
-from pdserve.ports import wait_port_file
+from pdserve.ports import start_and_wait
 
 MODEL = "tiny-llama"
 STARTUP_TIMEOUT_S = 180  # ~10-20 s on a quiet 2-core machine; loaded CI is slower
@@ -79,32 +79,18 @@ class Server:
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir),
                **self.env_extra}
-        self.port_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
-            serve_cmd("--port-file", str(self.port_file), *self.flags, port=0), cwd=REPO,
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        try:
-            self.port = wait_port_file(self.port_file, self.proc, STARTUP_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as exc:
-            self.stop()
-            raise RuntimeError(f"pdserve serve: {exc}:\n{self.log()[-4000:]}") from None
+
+        def spawn() -> subprocess.Popen:
+            self.proc = subprocess.Popen(
+                serve_cmd("--port-file", str(self.port_file), *self.flags, port=0),
+                cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+            return self.proc
+
+        _, self.port = start_and_wait(spawn, self.port_file, STARTUP_TIMEOUT_S,
+                                      name="pdserve serve", log=self.log_path,
+                                      stop=lambda _: self.stop(), poll_s=0.3)
         self.url = f"http://127.0.0.1:{self.port}"
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode} during "
-                                   f"start-up:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n"
-                                   f"{self.log()[-4000:]}")
-            time.sleep(0.3)
         self.children = child_pids(self.proc.pid)
         return self
 

@@ -9,10 +9,14 @@ oversubscribed."""
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
 from pdserve.config import EngineConfig
@@ -24,7 +28,9 @@ from pdserve.ports import (
     port_file_problem,
     read_port_file,
     refusing_port,
+    start_and_wait,
     wait_port_file,
+    wait_serving,
     write_port_file,
 )
 from pdserve.stack.config import StackConfig
@@ -87,6 +93,91 @@ def test_waiting_for_a_port_file_fails_fast_or_times_out(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+# A stand-in server: `python -c CHILD PORT_FILE MODE` prints a line to its log, then per MODE
+# exits 3 before writing its port (dies), writes a port where nothing listens and sleeps
+# (deaf), or serves HTTP 200 on port 0 and writes that port (serves).
+CHILD = """
+import http.server, socket, sys, time
+from pdserve.ports import write_port_file
+print("child starting", flush=True)
+path, mode = sys.argv[1:]
+if mode == "dies":
+    raise SystemExit(3)
+if mode == "deaf":
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    write_port_file(path, s.getsockname()[1])
+    time.sleep(60)
+
+class OK(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+server = http.server.HTTPServer(("127.0.0.1", 0), OK)
+write_port_file(path, server.server_port)
+server.serve_forever()
+"""
+
+
+def _spawn(port_file, log, mode):
+    def spawn() -> subprocess.Popen:
+        with open(log, "w") as out:
+            return subprocess.Popen([sys.executable, "-c", CHILD, str(port_file), mode],
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    return spawn
+
+
+def test_start_and_wait_fails_fast_with_exit_code_and_log_when_the_server_dies(tmp_path):
+    port_file, log = tmp_path / "p", tmp_path / "child.log"
+    stopped = []
+    with pytest.raises(RuntimeError) as err:
+        start_and_wait(_spawn(port_file, log, "dies"), port_file, 60, name="the child",
+                       log=log, stop=stopped.append)
+    msg = str(err.value)
+    assert "the child exited with 3 before writing its port" in msg, msg
+    assert f"log {log}:" in msg and "child starting" in msg, msg
+    assert len(stopped) == 1 and stopped[0].returncode == 3  # stop(proc) ran
+
+
+def test_start_and_wait_times_out_with_the_log_and_kills_a_server_that_never_answers(
+        tmp_path):
+    port_file, log = tmp_path / "p", tmp_path / "child.log"
+    write_port_file(port_file, 1)  # stale, from an earlier run: removed before the spawn
+    procs = []
+
+    def spawn() -> subprocess.Popen:
+        procs.append(_spawn(port_file, log, "deaf")())
+        return procs[-1]
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        start_and_wait(spawn, port_file, 5, name="the child", log=log, poll_s=0.05)
+    assert time.monotonic() - t0 < 15
+    msg = str(err.value)
+    said = re.match(r"the child not ready at http://127\.0\.0\.1:(\d+) within 5s \(it wrote "
+                    r"port (\d+) to ", msg)
+    assert said and said[1] == said[2] == str(read_port_file(port_file)) != "1", msg
+    assert f"log {log}:" in msg and "child starting" in msg, msg
+    assert procs[0].returncode == -signal.SIGKILL  # stopped: SIGKILL (its group), reaped
+
+
+def test_start_and_wait_returns_the_port_once_health_answers(tmp_path):
+    port_file, log = tmp_path / "p", tmp_path / "child.log"
+    proc, port = start_and_wait(_spawn(port_file, log, "serves"), port_file, 60, log=log)
+    try:
+        assert port == read_port_file(port_file)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        # any readiness check of the caller's; the URL it gets is the server's
+        seen = []
+        assert wait_serving(proc, port_file, 5, ready=lambda url: not seen.append(url)) == port
+        assert seen == [f"http://127.0.0.1:{port}"]
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_two_servers_bound_to_one_fixed_port_conflict_clearly_at_listen():

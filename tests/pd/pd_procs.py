@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from node_memory import small_kv
 from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import (
     free_port,  # noqa: F401 (re-exported: the SGLang router's ports)
-    wait_port_file,
+    http_ok,
+    wait_serving,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,16 +91,8 @@ class Registry(Proc):
 
     def start(self, timeout: float = 60) -> Registry:
         self.spawn()
-        self.url = f"http://127.0.0.1:{wait_for_port(self, timeout)}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive:
-                raise RuntimeError(f"registry exited:\n{self.log()}")
-            if _get_ok(f"{self.url}/health"):
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"registry not up after {timeout}s:\n{self.log()}")
+        self.url = f"http://127.0.0.1:{wait_for_port(self, timeout, poll_s=0.1)}"
+        return self
 
     def node(self, node_id: str) -> dict | None:
         r = httpx.get(f"{self.url}/v1/nodes/{node_id}", timeout=5)
@@ -124,18 +118,10 @@ class Node(Proc):
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Node:
         """Serving (it wrote its port file: after it registered) and in the registry."""
-        deadline = time.monotonic() + timeout
-        self.port = wait_for_port(self, timeout)
+        self.port = wait_for_port(self, timeout, ready=lambda url: http_ok(f"{url}/health")
+                                  and self.registry.node(self.node_id) is not None)
         self.url = f"http://127.0.0.1:{self.port}"
-        while time.monotonic() < deadline:
-            if not self.alive:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during "
-                                   f"start-up:\n{self.log()}")
-            if _get_ok(f"{self.url}/health") and self.registry.node(self.node_id):
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.name} not ready after {timeout}s:\n{self.log()}")
+        return self
 
     def info(self) -> dict:
         r = httpx.get(f"{self.url}/server_info", timeout=5)
@@ -183,23 +169,14 @@ class Node(Proc):
             time.sleep(0.1)
 
 
-def wait_for_port(proc: Proc, timeout: float) -> int:
-    """The port `proc` (started with `--port 0 --port-file proc.port_file`) serves on; a
-    RuntimeError with its log when it dies first or writes none in time."""
+def wait_for_port(proc: Proc, timeout: float, ready: Callable[[str], bool] | None = None,
+                  poll_s: float = 0.25) -> int:
+    """The port `proc` (spawned with `--port 0 --port-file proc.port_file`) serves on, once
+    `ready(url)` (default: /health answers 200); when it dies first or is not ready in
+    time, it is stopped and the error ends with its log."""
     assert proc.proc is not None
-    try:
-        return wait_port_file(proc.port_file, proc.proc, timeout)
-    except (RuntimeError, TimeoutError) as exc:
-        log = proc.log()
-        proc.stop()
-        raise RuntimeError(f"{proc.name}: {exc}:\n{log}") from None
-
-
-def _get_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return wait_serving(proc.proc, proc.port_file, timeout, name=proc.name, ready=ready,
+                        log=proc.log, stop=lambda _: proc.stop(), poll_s=poll_s)
 
 
 # -- the two legs of a request ----------------------------------------------------------------

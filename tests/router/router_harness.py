@@ -23,8 +23,10 @@ from node_memory import small_kv
 from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import (
     free_port,  # noqa: F401 (re-exported: redis-server's port)
+    http_ok,
     read_port_file,
     wait_port_file,
+    wait_serving,
 )
 from pdserve.stack.child import group_alive  # noqa: F401 (re-exported to the tests)
 
@@ -180,25 +182,12 @@ class Node:
     def wait_ready(self) -> Node:
         """Healthy and in the registry (a PD node registers once its engine is up)."""
         assert self.proc is not None
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        try:
-            self.port = wait_port_file(self.port_file, self.proc, STARTUP_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as exc:
-            self.kill9()
-            raise RuntimeError(f"{self.node_id}: {exc}:\n{self.log()[-4000:]}") from None
+        self.port = wait_serving(
+            self.proc, self.port_file, STARTUP_TIMEOUT_S, name=self.node_id,
+            ready=lambda url: http_ok(f"{url}/health") and self.registered(),
+            log=self.log_path, stop=lambda _: self.kill9(), poll_s=0.3)
         self.url = f"http://127.0.0.1:{self.port}"
-        while not (self._healthy() and self.registered()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill9()
-                raise RuntimeError(f"{self.node_id} did not start:\n{self.log()[-4000:]}")
-            time.sleep(0.3)
         return self
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def registered(self) -> bool:
         nodes = httpx.get(f"{self.registry}/v1/nodes", timeout=5).json()["nodes"]
@@ -300,17 +289,9 @@ class RouterProc:
 
     def wait_ready(self) -> str:
         assert self.proc is not None
-        self.port = wait_for_port(self.port_file, self.proc, "the router", self.log_path)
+        self.port = wait_serving(self.proc, self.port_file, STARTUP_TIMEOUT_S,
+                                 name="the router", log=self.log_path, poll_s=0.2)
         self.url = f"http://127.0.0.1:{self.port}"
-
-        def healthy() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, self.log()
-            try:
-                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, STARTUP_TIMEOUT_S, f"the router on port {self.port}")
         return self.url
 
     def terminate(self) -> int | None:
