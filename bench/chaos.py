@@ -108,12 +108,16 @@ async def early_victim(cluster: Cluster, rng: random.Random,
 async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: asyncio.Event,
                  log: Counter, kinds: list[str], outcomes: list[Outcome]) -> None:
     i, pending = 0, []
+    retry: list[str] = []  # a kind skipped once (no victim yet): tried again next time
     while not stop.is_set():
         await asyncio.sleep(interval_s * rng.uniform(0.6, 1.4))
         if stop.is_set():
             break
-        kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
-        i += 1
+        if retry:
+            kind = retry.pop()
+        else:
+            kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
+            i += 1
         if kind == "kill_registry":
             victim: Member | None = cluster.members["registry"]
         elif kind == "kill_decode_early":
@@ -124,6 +128,10 @@ async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: 
                 or rng.choice(["prefill", "decode"])  # pause_node: either role
             victim = await asyncio.to_thread(pick_victim, cluster, role, rng)
         if victim is None:
+            # On a loaded machine a restarted node may not be back yet, or a burst already
+            # served: once more at the next fault, so a short run still injects each kind.
+            if not log[f"{kind}_skipped"]:
+                retry.append(kind)
             log[f"{kind}_skipped"] += 1
             continue
         log[kind] += 1

@@ -28,7 +28,9 @@ mypy  # over every package, settings in pyproject.toml
 # File order (reproducible); scripts/test_shuffled.sh runs the shuffled orders. `no:randomly`
 # keeps it so where pytest-randomly is installed, and is a no-op where it is not.
 # `-m "not slow"`: the long checks run in `bash scripts/slow_checks.sh` (README).
-python -m pytest -q -p no:randomly -m "not slow" --durations=25 "$@"
+# Two pytest-xdist workers, whole files to each (`loadfile`: a module's fixtures, stacks and
+# engines stay in one process, and its tests keep their file order); tests/README.md: Memory.
+python -m pytest -q -p no:randomly -m "not slow" -n 2 --dist loadfile --durations=25 "$@"
 if [ "$#" -eq 0 ]; then
     # The router/stack tests run over tcp above; their API part runs again over Mooncake,
     # the product's default transfer backend (tests/router/router_harness.py: BACKEND).

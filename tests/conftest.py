@@ -32,3 +32,34 @@ def native():
     module = load_cpu_ops()
     assert module is not None, f"the kernels must build on the test machine: {build_error()}"
     return NativeOps(module)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_memory():
+    """When a test module ends, close the engines and drop the reference models it loaded
+    (engine_helpers' LLMs, pd_pair's reference engines and shared weights, transformers'
+    models). Cached across the session they added up to ~10 GB in one pytest process; with
+    two pytest-xdist workers on a 24 GiB machine that was the OOM killer. Per module, memory
+    stays bounded by one module's models; a later module reloads what it uses (seconds).
+    Only helpers that were imported are touched: they live in test folders."""
+    yield
+    import ctypes
+    import gc
+    import sys
+
+    helpers = sys.modules.get("engine_helpers")
+    if helpers is not None:
+        helpers.close_all()
+        helpers.drop_hf_models()
+    pd_pair = sys.modules.get("pd_pair")
+    if pd_pair is not None:
+        pd_pair.close_references()
+    reference = sys.modules.get("hf_reference")
+    if reference is not None:
+        reference.hf_greedy.cache_clear()
+        reference.hf_model.cache_clear()
+    gc.collect()
+    if sys.platform == "linux":
+        # glibc keeps freed heap pages mapped; hand them back so that the freed models
+        # really leave this process's RSS (what the OOM killer counts).
+        ctypes.CDLL(None).malloc_trim(0)

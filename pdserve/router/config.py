@@ -14,7 +14,7 @@ from pdserve.flags import ConfigError, add_dataclass_flags, opt, values_from
 from pdserve.http.limits import HttpLimits
 from pdserve.http.tools import PARSERS
 from pdserve.models.tokenizer import read_chat_template
-from pdserve.ports import port_file_problem
+from pdserve.ports import check_port_file
 from pdserve.tokens import read_token_file
 from pdserve.tracing import ENDPOINT_HELP, endpoint_problem
 
@@ -95,8 +95,7 @@ class RouterConfig:
             raise ConfigError(f"--registry {self.registry!r}: expected http://HOST:PORT")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        if self.port_file and (why := port_file_problem(self.port_file)):
-            raise ConfigError(f"--port-file {self.port_file}: {why}")
+        check_port_file(self.port_file)
         positive = {"--registry-poll-s": self.registry_poll_s,
                     "--max-running-requests": self.max_running_requests,
                     "--queue-timeout-s": self.queue_timeout_s,

@@ -1,9 +1,10 @@
 """Shared machinery of the engine tests: one LLM per configuration, transformers references.
 
 Loading an engine costs about a second (tiny models) or several (smollm2-135m), so every
-configuration is built once per session by `get_llm` and reused. Every LLM handed out is
-recorded in `USED`; the autouse fixture in conftest.py checks after each test that all of
-them are idle with their KV pages and request slots back to full.
+configuration is built once per test module by `get_llm` and reused (tests/conftest.py
+closes them when the module ends: memory stays bounded by one module's engines). Every
+LLM handed out is recorded in `USED`; the autouse fixture in conftest.py checks after each
+test that all of them are idle with their KV pages and request slots back to full.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import functools
 import itertools
 import random
 
+import hf_reference
 import torch
+from hf_reference import hf_model
 
 from pdserve import LLM, SamplingParams
 
@@ -158,17 +161,7 @@ def baseline_greedy(model: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(o.output_ids) for o in outs)
 
 
-# -- transformers reference -------------------------------------------------------------
-
-
-@functools.cache
-def hf_model(model: str):
-    from transformers import AutoModelForCausalLM
-
-    from pdserve.models.builtin import resolve_model
-
-    m = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
-    return m.eval()
+# -- transformers reference (the model itself: tests/hf_reference.py, one copy) ----------
 
 
 @functools.cache
@@ -192,4 +185,5 @@ def hf_greedy(model: str, prompt: tuple[int, ...], max_new_tokens: int,
 
 def drop_hf_models() -> None:
     hf_greedy.cache_clear()
+    hf_reference.hf_greedy.cache_clear()
     hf_model.cache_clear()

@@ -10,8 +10,6 @@ from engine_helpers import (
     TINY_NEW_TOKENS,
     TINY_PROMPTS,
     baseline_greedy,
-    discard_model,
-    drop_hf_models,
     get_llm,
     greedy,
     hf_greedy,
@@ -39,13 +37,6 @@ SMOLLM_PROMPTS = [
     "pinch of salt. Steps: 1.",
     _LONG,
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _free_models_after_module():
-    yield
-    discard_model(SMOLLM)  # ~0.5 GiB each in fp32; later modules do not need them
-    drop_hf_models()
 
 
 @pytest.mark.parametrize("model", TINY_MODELS)

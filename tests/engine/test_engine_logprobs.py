@@ -10,8 +10,6 @@ import pytest
 import torch
 from engine_helpers import (
     TINY_MODELS,
-    discard_model,
-    drop_hf_models,
     get_llm,
     hf_model,
     random_prompt,
@@ -24,10 +22,10 @@ SMOLLM = "smollm2-135m"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _free_models_after_module():
+def _free_logprobs_after_module():
+    # [len, V] fp32 rows; tests/conftest.py frees the models themselves.
     yield
-    discard_model(SMOLLM)
-    drop_hf_models()
+    hf_logprobs.cache_clear()
 
 
 @functools.cache

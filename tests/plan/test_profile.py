@@ -3,6 +3,10 @@ transfer between two processes, and a profile file the planner accepts."""
 
 from __future__ import annotations
 
+import statistics
+
+import pytest
+
 from pdserve.config import EngineConfig
 from pdserve.plan.profile import run_profile
 from pdserve.plan.profile_model import Profile
@@ -38,7 +42,9 @@ def test_profile_measures_and_round_trips(tmp_path):
     assert 0 < serving["decode_scale"] <= 1 and 0 <= serving["prefill_scale"] <= 1
     assert len(prof.request_jitter_s) == len(prof.pd_request_jitter_s) == 16
     assert len(prof.tpot_jitter_s) == len(prof.pd_tpot_jitter_s) == 16
-    assert 0.0 in prof.tpot_jitter_s or min(map(abs, prof.tpot_jitter_s)) < 1e-3
+    # Jitters are deviations from the median TPOT: their own median is 0 whatever the load
+    # (the nearest one to 0 is half the gap between the two middle TPOTs, not bounded).
+    assert statistics.median(prof.tpot_jitter_s) == pytest.approx(0.0, abs=1e-9)
     path = tmp_path / "p.json"
     prof.save(path)
     assert Profile.load(path) == prof
