@@ -15,28 +15,55 @@ from typing import Any
 MAX_DEPTH = 64  # request bodies are shallow; a deeper one is an attack on recursion
 
 
+# Where a value sits, built only when it is reported: (parent, key, is_index) links.
+_Path = tuple[Any, Any, bool] | None
+
+
 def unsafe_reason(value: Any) -> str | None:
     """Why `value` is not plain JSON (lone surrogate, NaN/Infinity, too deep), or None.
-    Iterative, so a hostile nesting depth cannot exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    Iterative, so a hostile nesting depth cannot exhaust the stack.
+
+    It runs on every request body at every hop (router, both nodes), and a prompt's token
+    ids are its bulk: ints, bools and None are passed over without being stacked, and an
+    item's location is spelled out only for the one reported."""
+    stack: list[tuple[Any, _Path, int]] = [(value, None, 0)]
     while stack:
-        v, where, depth = stack.pop()
+        v, path, depth = stack.pop()
         if depth > MAX_DEPTH:
-            return f"{where or 'body'}: nested deeper than {MAX_DEPTH} levels"
+            return f"{_where(path)}: nested deeper than {MAX_DEPTH} levels"
         if isinstance(v, str):
             if not _utf8(v):
-                return f"{where or 'body'}: string contains a lone surrogate (not valid UTF-8)"
+                return f"{_where(path)}: string contains a lone surrogate (not valid UTF-8)"
         elif isinstance(v, float):
             if not math.isfinite(v):
-                return f"{where or 'body'}: number must be finite"
+                return f"{_where(path)}: number must be finite"
         elif isinstance(v, dict):
+            deep = depth >= MAX_DEPTH  # then even a scalar inside is reported as too deep
             for k, item in v.items():
                 if isinstance(k, str) and not _utf8(k):
-                    return f"{where or 'body'}: key contains a lone surrogate"
-                stack.append((item, f"{where}.{k}" if where else str(k), depth + 1))
+                    return f"{_where(path)}: key contains a lone surrogate"
+                if deep or (item is not None and type(item) not in _SAFE):
+                    stack.append((item, (path, k, False), depth + 1))
         elif isinstance(v, list | tuple):
-            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(v))
+            deep = depth >= MAX_DEPTH
+            stack.extend((item, (path, i, True), depth + 1) for i, item in enumerate(v)
+                         if deep or (item is not None and type(item) not in _SAFE))
     return None
+
+
+_SAFE = (int, bool)  # exact types: always plain JSON, nothing inside
+
+
+def _where(path: _Path) -> str:
+    """`a.b[2].c` for a path; "body" for the top."""
+    keys = []
+    while path is not None:
+        path, key, is_index = path
+        keys.append((key, is_index))
+    where = ""
+    for key, is_index in reversed(keys):
+        where = f"{where}[{key}]" if is_index else f"{where}.{key}" if where else str(key)
+    return where or "body"
 
 
 def _utf8(s: str) -> bool:

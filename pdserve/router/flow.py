@@ -198,7 +198,7 @@ class Flow:
         remaining = self.deadline - time.perf_counter()
         try:
             # Not wait_for: on Python 3.11 it drops a cancellation that lands as the
-            # awaitable completes (pdserve/router/legs.py: stall_guarded).
+            # awaitable completes, and a flow whose client left would then read on.
             async with asyncio.timeout(max(remaining, 0.001)):
                 return await awaitable
         except TimeoutError:

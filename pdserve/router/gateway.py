@@ -21,6 +21,7 @@ from pdserve.router.flow import Flow, Migration
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.nodes import NodeState, NodeTable
 from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.transport import NodeTransport
 from pdserve.router.watcher import RegistryWatcher
 from pdserve.tracing import make_tracer
 
@@ -41,10 +42,10 @@ class Gateway:
         self.metrics.watch(lambda: self.table, self.admission, self.watcher.outage_s)
         # read=None: a decode leg streams for as long as generation lasts; the request
         # timeout bounds it instead. No proxy from the environment between router and nodes.
+        # The transport keeps connections to nodes alive across requests (transport.py).
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            trust_env=False)
+            transport=NodeTransport(), trust_env=False)
         # None unless --otlp-traces-endpoint: then no OpenTelemetry module is loaded at all.
         self.tracer = make_tracer(cfg.otlp_traces_endpoint, "pdserve-router")
         self.dispatcher = Dispatcher(cfg, self.table, self.watcher, self.http, self._on_leg,

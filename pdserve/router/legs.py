@@ -56,6 +56,9 @@ NODE_FAILED = "node_failed"
 # A decode node that cannot look the prefill up while the registry is down (registration.py).
 REGISTRY_DOWN = "registry_unavailable"
 
+# Longest wait for the end of a decode response after its [DONE] line (`Legs._drain`).
+DRAIN_S = 1.0
+
 log = logging.getLogger("pdserve.router")
 LegHook = Callable[[NodeState, str], None]  # (node, outcome) once per leg
 
@@ -160,27 +163,61 @@ def inband_error(node: NodeState, err: object, prefill: NodeState | None = None)
     return LegError(node, "decode", status, f"decode node {node.node_id}: {msg}", code)
 
 
-class Stalled(Exception):
-    """The decode stream sent nothing for the stall timeout."""
+class StallTimer:
+    """The decode leg's stall timer (module doc): silence for `stall_s` after the decode
+    node's 200 header or its last line (`silent`), or no first event `stall_s` after the
+    prefill node answered (`first`), cancels the leg's task; `fired` then says which.
 
+    One timer handle for the whole leg: a line only stamps the time it came (`heard`), and
+    the handle, when it goes off early, re-arms itself at the deadline that stamp sets. A
+    timeout scope per line would schedule and cancel a timer for every line relayed."""
 
-async def stall_guarded(lines: AsyncIterator[str], stall_s: float) -> AsyncIterator[str]:
-    """`lines`, raising Stalled when the next one takes longer than `stall_s` (0: never)."""
-    while True:
-        try:
-            if stall_s > 0:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation
-                # that lands as the next line arrives, and the leg would then read on to the
-                # end (its decode node generating every token for a client that left).
-                async with asyncio.timeout(stall_s):
-                    line = await anext(lines)
-            else:
-                line = await anext(lines)
-        except StopAsyncIteration:
+    def __init__(self, legs: Legs, task: asyncio.Task, stall_s: float) -> None:
+        self.legs, self.task, self.stall_s = legs, task, stall_s
+        self.loop = asyncio.get_running_loop()
+        self.heard: float | None = None  # loop time of the 200 header or the last line
+        self.kv_at: float | None = None  # loop time the prefill node answered 200
+        self.fired: str | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def hear(self) -> None:
+        self.heard = self.loop.time()
+        if self._handle is None:
+            self._arm()
+
+    def kv_sent(self) -> None:
+        self.kv_at = self.loop.time()
+        if self._handle is None:
+            self._arm()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _deadlines(self) -> list[tuple[float, str]]:
+        due = []
+        if self.heard is not None:
+            due.append((self.heard + self.stall_s, "silent"))
+        if self.kv_at is not None and not (self.legs.decoding or self.legs.completed):
+            due.append((self.kv_at + self.stall_s, "first"))
+        return due
+
+    def _arm(self) -> None:
+        due = self._deadlines()
+        self._handle = self.loop.call_at(min(due)[0], self._check) if due else None
+
+    def _check(self) -> None:
+        self._handle = None
+        due = self._deadlines()
+        if not due:
             return
-        except TimeoutError:
-            raise Stalled from None
-        yield line
+        at, kind = min(due)
+        if self.loop.time() < at:  # a line came since the timer was set: wait on
+            self._handle = self.loop.call_at(at, self._check)
+            return
+        self.fired = kind
+        self.task.cancel()
 
 
 class Legs:
@@ -195,6 +232,10 @@ class Legs:
         self.decoding = False  # the decode leg has sent output
         self.completed = False  # ... and all of it
         self.prefill_done = asyncio.Event()  # the prefill leg answered 200: all KV sent
+        self._stall: StallTimer | None = None  # the decode leg's, while it runs
+        # The decode leg's task once its stream said [DONE] and it only reads the end of
+        # the response (so its connection can serve another leg): never cancelled.
+        self._draining: asyncio.Task | None = None
         # Logprob requests: the prefill node's answer carries the prompt's and the first
         # token's logprobs (docs/architecture.md: Logprobs); None when not asked.
         self.prefill_answer: asyncio.Future | None = (
@@ -240,7 +281,8 @@ class Legs:
         """Stop both legs now. Synchronous: safe in a `finally` that runs under
         cancellation, where awaiting is not possible."""
         for task in self.tasks:
-            task.cancel()
+            if task is not self._draining:
+                task.cancel()
         self._answer(None, LegError(self.prefill, "prefill", 499, "cancelled"))
 
     def _answer(self, body: dict | None, error: LegError | None = None) -> None:
@@ -256,7 +298,7 @@ class Legs:
     async def _leg(self, node: NodeState, leg: str, body: dict, outcome: list[str]) -> None:
         try:
             error = await (self._prefill(node, body) if leg == "prefill"
-                           else self._first_event_guarded(node, body))
+                           else self._decode_guarded(node, body))
         except Exception as exc:  # not an HTTP error: see unexpected_error
             error = unexpected_error(node, leg, exc)
         if error is None:
@@ -286,6 +328,8 @@ class Legs:
         if resp.status_code != 200:
             return status_error(node, "prefill", resp)
         self.prefill_done.set()
+        if self._stall is not None:
+            self._stall.kv_sent()
         if self.prefill_answer is not None:
             try:
                 meta = resp.json()["meta_info"]
@@ -297,35 +341,42 @@ class Legs:
             self._answer(meta)
         return None
 
-    async def _first_event_guarded(self, node: NodeState, body: dict) -> LegError | None:
-        """The decode leg, ended as stalled when the decode node sends no event `stall_s`
-        after the prefill node sent all the KV (module doc). Retryable: nothing reached
-        the client, and the node aborts the request once it runs again (connection gone)."""
-        leg = asyncio.create_task(self._decode(node, body))
+    async def _decode_guarded(self, node: NodeState, body: dict) -> LegError | None:
+        """The decode leg under its stall timer (module doc). Runs in the leg's own task, so
+        its request goes out without waiting for another task to be scheduled."""
         if self.stall_s <= 0:
-            return await leg
-        watch = asyncio.create_task(self._first_event_overdue())
+            return await self._decode(node, body)
+        task = asyncio.current_task()
+        assert task is not None
+        self._stall = stall = StallTimer(self, task, self.stall_s)
+        if self.prefill_done.is_set():
+            stall.kv_sent()
         try:
-            await asyncio.wait({leg, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if leg.done() or self.decoding or self.completed:  # (an event came meanwhile)
-                return await leg
+            return await self._decode(node, body)
+        except asyncio.CancelledError:
+            # The timer's cancel becomes the leg's stall error; any other cancel (the
+            # flow's, the dispatcher's) stays a cancel.
+            if stall.fired is None or task.uncancel() > 0:
+                raise
+            if self.completed:  # [DONE] came as the timer went off: nothing was lost
+                return None
         finally:
-            watch.cancel()
-            if not leg.done():
-                leg.cancel()  # overdue, or we are cancelled: close the connection
-                await asyncio.gather(leg, return_exceptions=True)
-        log.warning("decode node %s sent no first event %gs after the KV was sent: taken "
-                    "for stalled", node.node_id, self.stall_s)
-        return LegError(node, "decode", 503, f"decode node {node.node_id} sent no first event "
-                        f"{self.stall_s:g}s after the prefill node sent the KV "
-                        "(--stream-stall-timeout-s)", STALLED, retryable=True, node_fault=True)
-
-    async def _first_event_overdue(self) -> None:
-        """Returns when the decode leg is overdue; never once it has sent an event."""
-        await self.prefill_done.wait()
-        await asyncio.sleep(self.stall_s)
-        if self.decoding or self.completed:
-            await asyncio.Future()  # the stream's own stall timer watches from here on
+            stall.stop()
+            self._stall = None
+        if stall.fired == "first":
+            # Retryable: nothing reached the client, and the node aborts the request once
+            # it runs again (its connection is gone).
+            log.warning("decode node %s sent no first event %gs after the KV was sent: "
+                        "taken for stalled", node.node_id, self.stall_s)
+            return LegError(node, "decode", 503, f"decode node {node.node_id} sent no first "
+                            f"event {self.stall_s:g}s after the prefill node sent the KV "
+                            "(--stream-stall-timeout-s)", STALLED, retryable=True,
+                            node_fault=True)
+        log.warning("decode node %s sent nothing for %gs: taken for dead", node.node_id,
+                    self.stall_s)
+        return LegError(node, "decode", 503, f"decode node {node.node_id} sent nothing "
+                        f"for {self.stall_s:g}s (--stream-stall-timeout-s)", STALLED,
+                        node_fault=True)
 
     async def _decode(self, node: NodeState, body: dict) -> LegError | None:
         try:
@@ -334,13 +385,20 @@ class Legs:
                 if resp.status_code != 200:
                     await resp.aread()
                     return status_error(node, "decode", resp, self.prefill)
-                async for line in stall_guarded(resp.aiter_lines(), self.stall_s):
+                stall = self._stall
+                if stall is not None:
+                    stall.hear()
+                lines = resp.aiter_lines()
+                async for line in lines:
+                    if stall is not None:
+                        stall.hear()
                     obj = parse_line(line)
                     if obj is None:
                         continue
                     if obj == DONE:
                         self.completed = True
                         self.queue.put_nowait(DONE)
+                        await self._drain(lines)
                         return None
                     assert isinstance(obj, dict)  # an event; DONE is the only str
                     if "error" in obj:
@@ -352,12 +410,22 @@ class Legs:
         except StreamFormatError as exc:
             return LegError(node, "decode", 503, f"decode node {node.node_id}: {exc}",
                             node_fault=True)
-        except Stalled:
-            log.warning("decode node %s sent nothing for %gs: taken for dead", node.node_id,
-                        self.stall_s)
-            return LegError(node, "decode", 503, f"decode node {node.node_id} sent nothing "
-                            f"for {self.stall_s:g}s (--stream-stall-timeout-s)", STALLED,
-                            node_fault=True)
         return LegError(node, "decode", 503,
                         f"decode node {node.node_id} ended its stream without [DONE]",
                         node_fault=True)
+
+    async def _drain(self, lines: AsyncIterator[str]) -> None:
+        """After [DONE]: read the rest of the response (the node ends it right away), so
+        the connection goes back to the pool instead of being closed and opened anew for
+        the next request. The output is complete by now: this task is no longer cancelled
+        with the flow (`cancel`) and its stall timer is off; `DRAIN_S` bounds the wait, and
+        whatever ends it, the leg has succeeded."""
+        self._draining = asyncio.current_task()
+        if self._stall is not None:
+            self._stall.stop()  # done; DRAIN_S bounds the rest
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                async for _ in lines:
+                    pass
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the transport closes the connection instead of pooling it
