@@ -201,14 +201,23 @@ def log_tail(log: Log | None, chars: int = 4000) -> str:
 
 
 def kill_child(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL `proc` while it runs (with its process group when it leads one: started with
-    `start_new_session`, its scheduler process goes too), then reap it."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                proc.kill()
+    """SIGKILL `proc`, and its whole process group when it leads one (started with
+    `start_new_session`), then reap it. The group is killed even when the leader has
+    already exited: a node's scheduler child can outlive its HTTP process.
+
+    A leader is recognised by pgid == pid, which `getpgid` still answers for an unreaped
+    child. Once reaped that is unknowable, so the group is killed by id anyway: the kernel
+    never hands out a pid that is still some group's id, and a group that is gone answers
+    ESRCH."""
+    try:
+        leader = os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        leader = True
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if leader:
+            os.killpg(proc.pid, signal.SIGKILL)
+        elif proc.poll() is None:
+            proc.kill()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)
 

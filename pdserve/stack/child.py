@@ -7,7 +7,6 @@ its graceful shutdown, then SIGKILL to every process left in its group.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.netaddr import http_url
-from pdserve.ports import read_port_file
+from pdserve.ports import kill_child, read_port_file
 
 
 class Child:
@@ -92,17 +91,8 @@ class Child:
         return False
 
     def kill_tree(self) -> None:
-        if self.proc is None:
-            return
-        if self._group_alive():
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        if self.proc is not None:
+            kill_child(self.proc)
 
     def _group_alive(self) -> bool:
         """Does any live (non-zombie) process remain in the child's process group?"""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from pdserve.ports import (
     free_port,  # noqa: F401 (re-exported: redis-server's port)
     http_ok,
+    kill_child,
     wait_serving,
 )
 
@@ -41,9 +41,7 @@ def running(cmd: list[str], log: Path, env: dict[str, str] | None = None):
     try:
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        kill_child(proc)
 
 
 def pdserve(*args: str) -> list[str]:

@@ -16,7 +16,7 @@ import httpx
 from node_memory import small_kv
 
 from pdserve.loadtest.server_info import server_info_after
-from pdserve.ports import start_and_wait
+from pdserve.ports import kill_child, start_and_wait
 
 MODEL = "tiny-llama"
 STARTUP_TIMEOUT_S = 180  # ~10-20 s on a quiet 2-core machine; loaded CI is slower
@@ -175,11 +175,7 @@ class Server:
 
     def _kill_group(self) -> None:
         assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        kill_child(self.proc)
 
     def log(self) -> str:
         try:

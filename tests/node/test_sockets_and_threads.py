@@ -24,6 +24,7 @@ from pdserve.cpus import split_cores, usable_cores
 from pdserve.ports import (
     PortInUse,
     bind_port,
+    kill_child,
     listen_port,
     port_file_problem,
     read_port_file,
@@ -179,6 +180,49 @@ def test_start_and_wait_returns_the_port_once_health_answers(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+# A leader that starts a grandchild in its own group, prints its pid and exits at once:
+# the shape of a node whose HTTP process died while its scheduler child lives on.
+_ORPHANING_LEADER = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(child.pid, flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("reaped", [False, True])
+def test_kill_child_kills_the_group_even_after_its_leader_exited(reaped):
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHANING_LEADER], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    proc.stdout.close()
+    deadline = time.monotonic() + 30
+    while _alive(proc.pid) and time.monotonic() < deadline:  # the leader is done
+        time.sleep(0.02)
+    if reaped:
+        proc.wait(10)
+    assert _alive(grandchild)
+    kill_child(proc)
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(grandchild), "the leader's group outlived kill_child"
+    assert proc.returncode == 0
+
+
+def test_kill_child_kills_a_running_child_outside_any_group_of_its_own():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    kill_child(proc)
+    assert proc.returncode == -signal.SIGKILL
 
 
 def test_two_servers_bound_to_one_fixed_port_conflict_clearly_at_listen():

@@ -25,6 +25,7 @@ from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import (
     free_port,  # noqa: F401 (re-exported: the SGLang router's ports)
     http_ok,
+    kill_child,
     wait_serving,
 )
 
@@ -64,12 +65,8 @@ class Proc:
 
     def kill9(self) -> None:
         """SIGKILL the process and every process of its group (the scheduler child too)."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+        if self.proc is not None:
+            kill_child(self.proc)
 
     def stop(self, timeout: float = 20) -> None:
         """Idempotent: SIGTERM, then SIGKILL of the group; nothing of it is left."""

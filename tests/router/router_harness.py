@@ -24,6 +24,7 @@ from pdserve.loadtest.server_info import server_info_after
 from pdserve.ports import (
     free_port,  # noqa: F401 (re-exported: redis-server's port)
     http_ok,
+    kill_child,
     read_port_file,
     wait_port_file,
     wait_serving,
@@ -196,8 +197,7 @@ class Node:
     def kill9(self) -> None:
         """kill -9 of the node: its whole process group, scheduler included."""
         if self.proc is not None:
-            kill_group(self.proc.pid)
-            self.proc.wait(10)
+            kill_child(self.proc)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
