@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from engine_helpers import USED, close_all, discard_llm, pool_problems
+from engine_helpers import USED, discard_llm, pool_problems
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -15,8 +15,7 @@ def _engine_session():
     # threads spin against each other and make every forward several times slower.
     # Both pdserve and the transformers reference run under the same setting.
     torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "1")))
-    yield
-    close_all()
+    # The LLMs are closed per module by tests/conftest.py's _free_module_memory.
 
 
 @pytest.fixture(autouse=True)

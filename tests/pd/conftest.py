@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from pd_pair import close_references
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -15,5 +14,4 @@ def _pd_session():
     # One intra-op thread: two engines (and the KV threads) share a small machine; OpenMP
     # threads spinning against each other make every forward several times slower.
     torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "1")))
-    yield
-    close_references()
+    # The reference engines are closed per module by tests/conftest.py's _free_module_memory.

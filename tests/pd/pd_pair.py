@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from hf_reference import hf_greedy, hf_model
 
 import pdserve.engine.engine as engine_mod
 from decode_node.role import DecodeRole
@@ -139,9 +138,7 @@ def close_references() -> None:
     _LLMS.clear()
     _REF.clear()
     _loaded.cache_clear()
-    _tokenizer.cache_clear()
-    hf_greedy.cache_clear()
-    hf_model.cache_clear()
+    _tokenizer.cache_clear()  # the transformers references: tests/conftest.py drops them
 
 
 # -- prompts ------------------------------------------------------------------------------
