@@ -1,7 +1,10 @@
 """One timed streaming request. Never raises: every failure becomes `RequestResult.error`.
 
 Times come from `time.perf_counter()` taken as each SSE line is read, so they include the
-client's own parsing (microseconds), as in vLLM's and SGLang's clients.
+client's own parsing (microseconds), as in vLLM's and SGLang's clients. A request ends (its
+E2EL) at `data: [DONE]`; the response is then read to its end (the chunked terminator)
+outside the timing, so httpx hands the connection back to its pool and the next request
+reuses it instead of opening a new one (runner.py: new_client sizes the pool).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -20,6 +23,7 @@ from pdserve.loadtest.dataset import Prompt
 from pdserve.loadtest.metrics import RequestResult, timeline
 
 Counter = Callable[[str], int]
+DRAIN_S = 1.0  # after [DONE], wait this long for the response's end, else drop the connection
 
 
 async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt: Prompt,
@@ -32,14 +36,16 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, p
     sent_ns = time.time_ns()
     sent = time.perf_counter()
     error = ""
+    done_at: list[float] = []  # when [DONE] was read: the request's end
     try:
         async with asyncio.timeout(timeout_s):
-            error = await _stream(client, url, spec, prompt, state, chunk_times, headers)
+            error = await _stream(client, url, spec, prompt, state, chunk_times, headers,
+                                  done_at)
     except TimeoutError:
         error = f"timed out after {timeout_s:g}s"
     except httpx.HTTPError as exc:  # refused connection, reset, broken chunked stream...
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    end = time.perf_counter()
+    end = done_at[0] if done_at else time.perf_counter()
     result = RequestResult(prompt_len=prompt.prompt_len, start=sent - run_start, e2el=end - sent,
                            trace_id=trace_id, sent_unix_ns=sent_ns)
     return _complete(result, state, chunk_times, sent, end, error, count)
@@ -47,13 +53,16 @@ async def send_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, p
 
 async def _stream(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt: Prompt,
                   state: StreamState, chunk_times: list[float],
-                  headers: dict[str, str] | None = None) -> str:
-    """Read the response into `state`/`chunk_times`; return an error text or ''."""
+                  headers: dict[str, str] | None = None,
+                  done_at: list[float] | None = None) -> str:
+    """Read the response into `state`/`chunk_times`; return an error text or ''. Appends
+    the time [DONE] was read to `done_at`."""
     async with client.stream("POST", url, json=backends.build_payload(spec, prompt),
                              headers=headers) as resp:
         if resp.status_code >= 400:
             return f"HTTP {resp.status_code}: {_body_message(await resp.aread())}"
-        async for line in resp.aiter_lines():
+        lines = resp.aiter_lines()
+        async for line in lines:
             event = backends.parse_sse_line(line)
             if event is None:
                 continue
@@ -63,9 +72,24 @@ async def _stream(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt
             if state.error:
                 return f"server error in stream: {state.error}"
             if state.done:
+                if done_at is not None:
+                    done_at.append(now)
+                await _drain(lines)
                 return ""
     # A closed stream without [DONE] is broken unless the last event already said it finished.
     return "" if state.finish_reason else "stream ended before [DONE]"
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read what follows [DONE] (normally nothing but the chunked terminator), so the
+    connection goes back to the pool; one that does not end soon is closed instead (the
+    request itself is complete either way)."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
+    except (TimeoutError, httpx.HTTPError):
+        pass
 
 
 def _body_message(body: bytes) -> str:

@@ -57,9 +57,19 @@ def note(msg: str) -> None:
     print(f"pdserve bench: {msg}", file=sys.stderr, flush=True)
 
 
+KEEPALIVE_S = 4.0
+
+
 def new_client(cfg: BenchConfig) -> httpx.AsyncClient:
     # trust_env=False: a proxy from the environment must not sit between bench and server.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # Connections are kept alive for the next request (client.py reads each response to its
+    # end): as many idle ones are kept as requests may be in flight (--max-concurrency;
+    # unbounded without it). No cap on open ones: a request never waits for the pool.
+    # Idle ones are dropped after 4 s, below uvicorn's 5 s keep-alive (the servers'), so a
+    # request is not sent on a connection the server is closing.
+    limits = httpx.Limits(max_connections=None,
+                          max_keepalive_connections=cfg.max_concurrency or None,
+                          keepalive_expiry=KEEPALIVE_S)
     return httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), limits=limits,
                              trust_env=False)
 

@@ -4,6 +4,7 @@ of a request's prefill node with a layout compatibility check."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from bootstrap.client import RegistryClient
@@ -13,6 +14,8 @@ from bootstrap.record import RegisteredNode, new_instance_id
 from pdserve.http.errors import ApiError
 from pdserve.netaddr import http_url
 from pdserve.pd.leg import PDLegFields
+
+log = logging.getLogger("pdserve.node")
 
 
 def node_record(cfg, ready) -> dict:
@@ -91,8 +94,28 @@ class PrefillPeerResolver:
 
         self.client, self.me = client, me
         self.bootstrap = BootstrapPeers()
-        # node_id -> (record, store epoch when read, time.monotonic() when read)
-        self._seen: dict[str, tuple[RegisteredNode, str, float]] = {}
+        # node_id -> (record, store epoch when read, time.monotonic() when the client last
+        # answered it, and when the registry last did: not from the client's stale cache
+        # during an outage): the records this node looked up, which also answer later
+        # lookups on the event loop (`_cached`) with no thread hop and no registry request
+        # on a request's path, by their age since the registry last answered them:
+        # - younger than `fresh_s` (the client's `cache_ttl_s`, 1 s: the lag its own cache
+        #   already had): answered as is;
+        # - older, but younger than the record's `ttl_s` (a record not renewed for that long
+        #   is gone from the registry: its node stopped) and than `--registry-stale-s` (the
+        #   client's `stale_ok_s`, the bound on answers from an unreachable registry):
+        #   answered at once while ONE background refresh per node runs (`_refresh`; after a
+        #   failed one, the next waits `fresh_s`); a failure is logged and the record kept;
+        # - older still, or never seen: the request waits for the lookup, as it always did.
+        # A client that names neither bound (a test double, no cache) makes every lookup
+        # wait. A prefill that left is answered from the record until its refresh runs (the
+        # first request after `fresh_s` starts it), then refused: "no live prefill node".
+        self._seen: dict[str, tuple[RegisteredNode, str, float, float]] = {}
+        self.fresh_s = float(getattr(client, "cache_ttl_s", 0.0))
+        self.stale_ok_s = float(getattr(client, "stale_ok_s", 0.0))
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
+        self._failed_at: dict[str, float] = {}  # node_id -> when its last refresh failed
+        self.refreshes = 0  # background refreshes started (tests, debugging)
 
     async def resolve(self, leg: PDLegFields) -> PDLegFields:
         """The decode leg with the KV endpoints of the prefill it names."""
@@ -119,6 +142,50 @@ class PrefillPeerResolver:
                            "prefill_node_unavailable") from None
 
     async def _from_registry(self, node_id: str) -> dict:
+        node = self._cached(node_id)
+        if node is None:
+            node = await self._lookup(node_id)
+        if node is None or node.role != "prefill":
+            raise ApiError(503, f"no live prefill node {node_id!r} in the registry",
+                           "prefill_node_unavailable")
+        return node.model_dump(mode="json")
+
+    def _cached(self, node_id: str) -> RegisteredNode | None:
+        """The record remembered for `node_id` while it may answer (see __init__), starting
+        a background refresh when it is past `fresh_s`; None: wait for a lookup."""
+        seen = self._seen.get(node_id)
+        if seen is None:
+            return None
+        node, _, _, fresh_at = seen
+        age = time.monotonic() - fresh_at
+        if age < self.fresh_s:
+            return node
+        if age >= min(node.ttl_s, self.stale_ok_s):
+            return None
+        if node_id not in self._refreshing and \
+                time.monotonic() - self._failed_at.get(node_id, -1e18) >= self.fresh_s:
+            self.refreshes += 1
+            self._refreshing[node_id] = asyncio.get_running_loop().create_task(
+                self._refresh(node_id), name=f"refresh prefill record {node_id}")
+        return node
+
+    async def _refresh(self, node_id: str) -> None:
+        try:
+            node = await asyncio.to_thread(self.client.get_node, node_id)
+        except Exception as exc:  # logged; the record answers until its max age
+            first = node_id not in self._failed_at
+            self._failed_at[node_id] = time.monotonic()
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "refreshing the registry record of prefill node %r failed (its last "
+                    "record still answers): %s", node_id, exc)
+            return
+        finally:
+            self._refreshing.pop(node_id, None)
+        if self._failed_at.pop(node_id, None) is not None:
+            log.info("refreshed the registry record of prefill node %r again", node_id)
+        self._remember(node_id, node)
+
+    async def _lookup(self, node_id: str) -> RegisteredNode | None:
         try:
             node = await asyncio.to_thread(self.client.get_node, node_id)
         except RegistryUnavailable as exc:
@@ -128,20 +195,24 @@ class PrefillPeerResolver:
                                 f"been unreachable for {self.client.outage_s():.0f}s and "
                                 "its record is not cached within --registry-stale-s "
                                 f"({exc})", "registry_unavailable") from None
-        node = self._remember(node_id, node)
-        if node is None or node.role != "prefill":
-            raise ApiError(503, f"no live prefill node {node_id!r} in the registry",
-                           "prefill_node_unavailable")
-        return node.model_dump(mode="json")
+        self._failed_at.pop(node_id, None)
+        return self._remember(node_id, node)
 
     def _remember(self, node_id: str, node: RegisteredNode | None) -> RegisteredNode | None:
         """A record the registry just forgot because its store restarted empty (a new
         epoch) is still good for as long as it would have lived (its ttl_s from when we
         read it): the node's next heartbeat brings it back; meanwhile the router, which
-        kept it for the same reason, goes on sending us its requests."""
+        kept it for the same reason, goes on sending us its requests.
+
+        A record the client answered from its stale cache (the registry unreachable; up to
+        --registry-stale-s old) counts as read for that rule, but keeps the time the
+        registry last answered it for `_cached`, or it would outlive that bound."""
         now, epoch = time.monotonic(), self.client.epoch
         if node is not None:
-            self._seen[node_id] = (node, epoch, now)
+            seen = self._seen.get(node_id)
+            stale = getattr(self.client, "unreachable_since", None) is not None
+            fresh_at = now if not stale else seen[3] if seen else float("-inf")
+            self._seen[node_id] = (node, epoch, now, fresh_at)
             return node
         seen = self._seen.get(node_id)
         if seen is not None and seen[1] and seen[1] != epoch and now < seen[2] + seen[0].ttl_s:

@@ -65,6 +65,13 @@ async def _stream(client: httpx.AsyncClient, router: str, body: dict, started: l
         return res
 
 
+async def _inflight(probe: httpx.AsyncClient, router: str, node_id: str) -> int:
+    """The router's in-flight count of a node, asked without blocking the event loop (a
+    sync GET would stall the streams under test while it waits)."""
+    nodes = (await probe.get(f"{router}/nodes")).json()["nodes"]
+    return {n["node_id"]: n["inflight"] for n in nodes}[node_id]
+
+
 def _short_requests(router: str, n: int) -> list[httpx.Response]:
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -225,9 +232,10 @@ def test_kill9_prefill_node_mid_request(stack, router: str, late):
               for _ in range(n)]
 
     async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120) as client, \
+                httpx.AsyncClient(timeout=5) as probe:
             tasks = [asyncio.create_task(_stream(client, router, b, [])) for b in bodies]
-            while router_nodes(router)[node.node_id]["inflight"] < 3:
+            while await _inflight(probe, router, node.node_id) < 3:
                 await asyncio.sleep(0.02)
             node.kill9()
             return time.monotonic(), await asyncio.gather(*tasks)
@@ -260,16 +268,20 @@ def test_kill9_decode_node_before_first_token_is_retried(stack, router: str, lat
     started: list[dict] = []
 
     async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120) as client, \
+                httpx.AsyncClient(timeout=5) as probe:
             tasks = [asyncio.create_task(_stream(client, router, _body(p, 8), started))
                      for p in prompts]
             # Killed while it holds legs and has streamed nothing yet: the prefill nodes
-            # are busy with the long prompts, so its legs wait for their KV.
-            while router_nodes(router)[node.node_id]["inflight"] < 2 or started:
-                if started:  # too late to prove anything: a first token is out
+            # are busy with the long prompts, so its legs wait for their KV. The router is
+            # asked without blocking the loop (the streams go on reading meanwhile, so a
+            # first token out shows in `started`); `started` is read after each answer.
+            while not started:
+                inflight = await _inflight(probe, router, node.node_id)
+                if started or inflight >= 2:
                     break
                 await asyncio.sleep(0.01)
-            early = not started
+            early = not started  # no await from here to the kill: nothing more is read
             node.kill9()
             return early, await asyncio.gather(*tasks)
 
