@@ -17,6 +17,7 @@ prefill engines (chunked 64 / unchunked), reused by the chunk cases.
 from __future__ import annotations
 
 import pytest
+from hf_reference import hf_greedy
 from pd_pair import (
     BACKENDS,
     SMOLLM,
@@ -24,7 +25,6 @@ from pd_pair import (
     PDCluster,
     colocated_greedy,
     greedy,
-    hf_greedy,
     random_prompt,
 )
 
