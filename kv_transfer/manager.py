@@ -25,6 +25,7 @@ from kv_transfer.memory import HostMemory
 from kv_transfer.messages import Register
 from kv_transfer.metrics import TransferStats
 from kv_transfer.prefill_control import PrefillControl
+from kv_transfer.wake import Wake
 from kv_transfer.worker import JobResult, TransferWorker
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class TransferManager:
         self.instance = uuid.uuid4().hex
         self.stats = TransferStats()
         self.memory = memory or HostMemory()
+        # Written on every state change of this node's rooms (kv_transfer/wake.py): the
+        # scheduler waits on it instead of polling its rooms on a timer.
+        self.wake = Wake()
         self._backend = create_backend(self.config, self.memory,
                                        on_stranger=lambda: self.stats.inc("stranger_writes"))
         self._closed = False
@@ -52,6 +56,7 @@ class TransferManager:
             self._start_threads()
         except BaseException:
             self._backend.close()
+            self.wake.close()
             raise
 
     def _start_threads(self) -> None:
@@ -186,6 +191,7 @@ class TransferManager:
             if part is not None:
                 ok &= part.stop(timeout)
         self._backend.close()
+        self.wake.close()
         if not ok:
             log.warning("kv manager: a background thread did not stop within %.1fs", timeout)
         return ok

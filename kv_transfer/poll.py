@@ -6,6 +6,8 @@ import threading
 import time
 from enum import IntEnum
 
+from kv_transfer.wake import Wake
+
 
 class KVPoll(IntEnum):
     """State of one room's transfer; ordered, and a room only moves forward.
@@ -34,14 +36,17 @@ class RoomStatus:
     """
 
     __slots__ = ("_state", "_reason", "_lock", "created_at", "finished_at", "peer_fault",
-                 "jobs_done_at")
+                 "jobs_done_at", "accepted_at", "_wake")
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Wake | None = None) -> None:
+        """`wake`: notified on every state change (kv_transfer/wake.py)."""
+        self._wake = wake
         self._state = KVPoll.Bootstrapping
         self._reason: str | None = None
         self._lock = threading.Lock()
         self.created_at = time.monotonic()
         self.finished_at: float | None = None
+        self.accepted_at: float | None = None  # when it reached WaitingForInput
         self.peer_fault = False  # the failure was the peer's doing (set with the reason)
         # Sender: when each transfer job (one per send() call, in order) was written
         # (time.monotonic()); read by a traced request's KV send spans.
@@ -65,7 +70,14 @@ class RoomStatus:
             self._state = new
             if new == KVPoll.Success:
                 self.finished_at = time.monotonic()
-            return True
+            elif new == KVPoll.WaitingForInput:
+                self.accepted_at = time.monotonic()
+        self._notify()
+        return True
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.notify()
 
     def doom(self, reason: str, peer_fault: bool = False) -> bool:
         """Decode: the room has failed, but a write of the prefill may still land in its
@@ -77,7 +89,8 @@ class RoomStatus:
                 return False
             self.peer_fault = peer_fault
             self._reason = reason
-            return True
+        self._notify()
+        return True
 
     @property
     def doomed(self) -> bool:
@@ -96,4 +109,5 @@ class RoomStatus:
                 self._reason = reason
             self._state = KVPoll.Failed
             self.finished_at = time.monotonic()
-            return True
+        self._notify()
+        return True

@@ -86,6 +86,9 @@ class PrefillControl(ControlLoop):
         self._rooms: dict[int, SenderRoom] = {}
         self._pending: dict[int, tuple[bytes, Request, float]] = {}
         self._finished: OrderedDict[int, bool] = OrderedDict()  # room -> sends are late
+        # Finished rooms that failed before any decode asked (a sender started early and
+        # aborted, or timed out) -> why: told to a decode whose Request comes later.
+        self._unasked: OrderedDict[int, str] = OrderedDict()
         # Rooms the decode aborted before their sender existed -> the failure it gets.
         self._aborted: OrderedDict[int, str] = OrderedDict()
         self._peers: dict[bytes, DecodePeer] = {}
@@ -107,6 +110,7 @@ class PrefillControl(ControlLoop):
             self._fail_status(status, f"invalid head run: {heads} is not from {lay.tp_name}")
             return
         self._finished.pop(room, None)
+        self._unasked.pop(room, None)
         r = SenderRoom(room, status, deadline=time.monotonic() + self._cfg.bootstrap_timeout_s,
                        heads=heads)
         self._rooms[room] = r
@@ -306,6 +310,10 @@ class PrefillControl(ControlLoop):
         self._finished[r.room] = _late(r.status.reason)
         while len(self._finished) > _MAX_FINISHED:
             self._finished.popitem(last=False)
+        if r.peer is None and r.status.state == KVPoll.Failed:
+            self._unasked[r.room] = r.status.reason or "failed"
+            while len(self._unasked) > _MAX_FINISHED:
+                self._unasked.popitem(last=False)
 
     # ---- network ----------------------------------------------------------------------
 
@@ -351,6 +359,8 @@ class PrefillControl(ControlLoop):
             return self._accept(r, ident, req)
         elif req.room in self._finished:
             reason = "room already finished"
+            if (why := self._unasked.get(req.room)) is not None:
+                reason = f"{reason}: {why}"
         elif (other := self._pending.pop(req.room, None)) is not None:
             reason = "duplicate request"
             self._reply(other[0], Status(req.room, int(KVPoll.Failed), 0, 0, 0, reason))

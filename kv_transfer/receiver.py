@@ -25,7 +25,7 @@ class KVReceiver:
         self.room = room
         self._args = mgr.args
         self._ctl = mgr._decode_control()
-        self._status = RoomStatus()
+        self._status = RoomStatus(mgr.wake)
         self._slot: int | None = None
         self._ctl.post(lambda: self._ctl.add_receiver(room, self._status, peer_endpoint, heads))
 

@@ -25,7 +25,7 @@ class KVSender:
         (kv_transfer/heads.py); None: whole pages into the decode rank of our own rank."""
         self.room = room
         self._ctl = mgr._prefill_control()
-        self._status = RoomStatus()
+        self._status = RoomStatus(mgr.wake)
         self._ctl.post(lambda: self._ctl.add_sender(room, self._status, heads))
 
     def init(self, num_pages: int, metadata_slot: int) -> None:
@@ -56,6 +56,11 @@ class KVSender:
     @property
     def failure_reason(self) -> str | None:
         return self._status.reason
+
+    @property
+    def accepted_at(self) -> float | None:
+        """When the decode's Request was accepted (time.monotonic(); None before)."""
+        return self._status.accepted_at
 
     @property
     def jobs_done_at(self) -> list[float]:

@@ -3,9 +3,15 @@ on a prefill node:
 
 1. Arrival. The /generate leg carries `bootstrap_room`; a KVSender is made for the room
    and the request waits in the bootstrap queue. It will compute exactly one token.
-2. Bootstrap. When the decode side has pre-allocated and said where to write (sender
-   reaches WaitingForInput), the request takes a metadata slot, `init`s the sender and
-   enters the waiting queue.
+2. Bootstrap, or early start. The request takes a metadata slot, `init`s the sender and
+   enters the waiting queue as soon as either the decode side has pre-allocated and said
+   where to write (sender reaches WaitingForInput), or, before that, it fits under the
+   early-start cap: the prompt pages of every request started early and not yet accepted
+   by its decode stay within `early_start_kv_fraction` of the KV pool (0: never). An early
+   request is watched in `early` until its decode's Request is accepted; its sender queues
+   every page sent before that and writes them once the destination is known. A decode
+   that never asks fails the room by the bootstrap timeout (step 6 frees everything); one
+   whose pre-allocation does not fit (page size, page count) fails it at acceptance.
 3. Admission. Prefix pages already valid in the radix cache go out at once (early send),
    except pages a host-tier load is still writing (`loading_pages`).
 4. Chunks. Scheduling a chunk records its `tmp_end_idx` and counts an in-flight middle
@@ -15,7 +21,8 @@ on a prefill node:
    Results of chunks whose request was aborted meanwhile are dropped.
 5. Last chunk. The first token is sampled; the request moves to the inflight queue, still
    holding its KV, and the rest of the pages (partial last page too) go out with the
-   metadata row (room, first token).
+   metadata row (room, first token). Started early, it may get here before its decode
+   asked: it waits in the inflight queue like any other, its pages queued on the sender.
 6. Inflight. The sender is polled until Success (done; KV goes to the prefix cache) or
    Failed (the error is reported); then the KV and metadata slot are freed.
 Abort or failure at any stage aborts the sender (so the decode leg fails fast) and frees
@@ -47,17 +54,26 @@ class PrefillRole(TransferRole):
     overlap_every_prefill = True  # launch N+1, then process N (first token, KV sends)
     runs_decode = False  # its requests decode on the decode node: no decode CUDA graphs
 
-    def __init__(self, transfer: KVTransferConfig, model_name: str, early_send: bool = True):
+    def __init__(self, transfer: KVTransferConfig, model_name: str, early_send: bool = True,
+                 early_start_kv_fraction: float = 0.25):
         super().__init__(transfer, model_name)
+        if not 0.0 <= early_start_kv_fraction <= 1.0:
+            raise ValueError(f"early_start_kv_fraction must be in [0, 1], got "
+                             f"{early_start_kv_fraction}")
         self.early_send = early_send
+        self.early_start_kv_fraction = early_start_kv_fraction
         self.bootstrap: list[Req] = []  # step 2
         self.inflight: list[Req] = []  # step 6
         self.live: list[Req] = []  # past bootstrap, not yet in inflight: watched for failure
+        self.early: list[Req] = []  # started early, decode's Request not yet accepted
+        self.early_pages = 0  # prompt pages of `early`: what the cap bounds
         self.early_sent_pages = 0
+        self.early_started = 0  # requests started before their decode asked (counter)
 
     def attach(self, ctx: RoleContext) -> None:
         super().attach(ctx)
         self.page_size = ctx.kv.page_size
+        self.pool_pages = ctx.kv_pool.num_pages
 
     # 1. arrival --------------------------------------------------------------------------
     def add_request(self, req: Req, leg: PDLegFields | None) -> None:
@@ -78,23 +94,25 @@ class PrefillRole(TransferRole):
     def has_work(self) -> bool:
         return bool(self.bootstrap or self.inflight)
 
-    # 2. bootstrap and 6. inflight ----------------------------------------------------------
+    # 2. bootstrap or early start, and 6. inflight ---------------------------------------------
     def poll(self) -> bool:
         for req in list(self.bootstrap):
             state = prefill_state(req).sender.poll()
             if state == KVPoll.Failed:
                 self._fail(req, prefill_state(req).sender.failure_reason or "decode peer failed")
             elif state >= KVPoll.WaitingForInput:
-                slot = self.meta.alloc()
-                if slot is None:
+                if not self._start(req, early=False):
                     break  # back-pressure: no metadata row free
-                prefill_state(req).meta_slot = slot
-                prefill_state(req).sender.init(prefill_state(req).progress.total_pages, slot)
-                if req.trace is not None:  # waited for the decode node's Request
-                    req.trace.span_since("prefill bootstrap", "arrived")
-                self.bootstrap.remove(req)
-                self.live.append(req)
-                self.queue.add(req)
+            elif self._fits_early(req) and not self._start(req, early=True):
+                break
+        for req in list(self.early):  # accepted by now: no longer counts against the cap
+            sender = prefill_state(req).sender
+            if sender.poll() >= KVPoll.WaitingForInput:
+                self._leave_early(req)
+                if req.trace is not None:  # arrival to the decode node's Request
+                    at = getattr(sender, "accepted_at", None)
+                    req.trace.span("prefill bootstrap", req.trace.marks["arrived"],
+                                   Timeline.wall_ns(at) if at is not None else now_ns())
         for req in list(self.live):
             if prefill_state(req).sender.poll() == KVPoll.Failed and not req.finished:
                 self._fail(req, prefill_state(req).sender.failure_reason or "KV transfer failed")
@@ -108,9 +126,40 @@ class PrefillRole(TransferRole):
                 if req.trace is not None:
                     _trace_sends(req.trace, prefill_state(req).sender, state == KVPoll.Success)
                 self.inflight.remove(req)
+                if req in self.early:  # its decode never asked (or it failed first)
+                    self._leave_early(req)
                 self._free_meta(req)
                 self.out.complete(req)
         return False  # no new tokens here: the first token is sampled by a forward
+
+    def _fits_early(self, req: Req) -> bool:
+        """Starting `req` before its decode asked keeps the prompt pages of all such
+        requests within the early-start cap."""
+        need = prefill_state(req).progress.total_pages
+        return self.early_pages + need <= self.early_start_kv_fraction * self.pool_pages
+
+    def _leave_early(self, req: Req) -> None:
+        self.early.remove(req)
+        self.early_pages -= prefill_state(req).progress.total_pages
+
+    def _start(self, req: Req, early: bool) -> bool:
+        """Bootstrap queue -> waiting queue with a metadata row (False: none is free)."""
+        slot = self.meta.alloc()
+        if slot is None:
+            return False
+        pd = prefill_state(req)
+        pd.meta_slot = slot
+        pd.sender.init(pd.progress.total_pages, slot)
+        if early:
+            self.early.append(req)
+            self.early_pages += pd.progress.total_pages
+            self.early_started += 1
+        elif req.trace is not None:  # waited for the decode node's Request
+            req.trace.span_since("prefill bootstrap", "arrived")
+        self.bootstrap.remove(req)
+        self.live.append(req)
+        self.queue.add(req)
+        return True
 
     def _fail(self, req: Req, reason: str) -> None:
         req.error = reason
@@ -215,6 +264,7 @@ class PrefillRole(TransferRole):
         return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),
                 "free_metadata_slots": self.meta.num_free,
                 "total_metadata_slots": self.meta.size, "early_sent_pages": self.early_sent_pages,
+                "early_started": self.early_started, "early_start_queue": len(self.early),
                 "transfer": self.mgr.metrics()}
 
 

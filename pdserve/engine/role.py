@@ -143,6 +143,15 @@ class Role:
         """Requests held in role-owned queues (not visible to the scheduler)."""
         return False
 
+    def wake_fd(self) -> int | None:
+        """A file descriptor that turns readable when the role's queues may move on (a KV
+        transfer changed state; kv_transfer/wake.py), for a loop that only waits on them;
+        None: the role has none (the loop polls on its timer)."""
+        return None
+
+    def drain_wake(self) -> None:
+        """Empty `wake_fd()` after a wake-up, before `poll()`."""
+
     def on_admitted(self, req: Req) -> None:
         """`req` got its request slot and cached prefix (scheduler thread)."""
 

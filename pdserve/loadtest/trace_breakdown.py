@@ -7,8 +7,12 @@ Two views per run, each as p50/p99 in milliseconds over the requests:
   (client sends, router receives, pair picked, prefill node receives, bootstrap done,
   queue left, last chunk computed, last KV written, KV seen by the decode node, first token
   in the decode node's HTTP process, first token at the client). Each hop is the time from
-  the previous moment the trace has to this one, so the hops of one request add up to its
-  TTFT exactly (a colocated node's trace simply has fewer moments).
+  the previous moment the trace has to this one, taken in time order, so the hops of one
+  request add up to its TTFT exactly and none is negative (a colocated node's trace simply
+  has fewer moments). A prefill that starts before its decode asked for the KV (early
+  start) leaves the queue and computes while its bootstrap is still open: its "prefill
+  bootstrap" moment then comes after the forward, and that hop is the part of the wait
+  for the decode the forward did not hide.
 - `spans`: each span name's duration, summed over a request's spans of that name (every
   chunk's forward, every KV send).
 """
@@ -78,12 +82,11 @@ def ttft_hops(req: TracedRequest, spans: list[SpanRecord]) -> dict[str, float]:
     """One request's TTFT path in ms: hop -> time since the previous moment (see module)."""
     if req.first_token_ns is None:
         return {}
+    moments = [(t, i, hop) for i, (hop, name, end) in enumerate(PATH)
+               if (t := _moment(spans, name, end, req.first_token_ns)) is not None]
     hops: dict[str, float] = {}
     prev = req.sent_ns
-    for hop, name, end in PATH:
-        t = _moment(spans, name, end, req.first_token_ns)
-        if t is None:
-            continue
+    for t, _, hop in sorted(moments):  # time order (PATH order on ties)
         hops[hop] = (t - prev) / 1e6
         prev = t
     hops[TO_CLIENT] = (req.first_token_ns - prev) / 1e6

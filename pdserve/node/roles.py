@@ -10,7 +10,8 @@ def make_role(cfg) -> Role:
     if cfg.role == "prefill":
         from prefill_node.role import PrefillRole
 
-        return PrefillRole(cfg.pd.transfer, cfg.engine.model, not cfg.pd.disable_early_send)
+        return PrefillRole(cfg.pd.transfer, cfg.engine.model, not cfg.pd.disable_early_send,
+                           cfg.pd.early_start_kv_fraction)
     if cfg.role == "decode":
         from decode_node.role import DecodeRole
 

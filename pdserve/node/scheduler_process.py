@@ -24,6 +24,19 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.scheduler")
 STATS_PERIOD_S = 0.25
+# Only transfers pending: wait this long at most between two polls of them; the role's wake
+# fd (kv_transfer/wake.py) ends the wait as soon as one changes state.
+TRANSFER_POLL_MS = 2
+IDLE_WAIT_MS = 100
+
+
+def wait_input(recv: zmq.Socket, fd: int, timeout_ms: int) -> bool:
+    """Wait until `recv` has a message or `fd` is readable, at most `timeout_ms`; True when
+    either happened."""
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    poller.register(fd, zmq.POLLIN)
+    return bool(poller.poll(timeout_ms))
 
 
 class SchedulerService:
@@ -55,9 +68,14 @@ class SchedulerService:
         while not self.stopping:
             if dog is not None:
                 dog.beat()
-            # Runnable work: do not wait. Only transfers pending: poll them every 2 ms.
-            timeout = 0 if self.engine.has_runnable() else 2 if self.engine.has_work() else 100
-            self._receive(timeout_ms=timeout)
+            # Runnable work: do not wait. Only transfers pending: wait for a message or a
+            # transfer's state change (the role's wake fd), at most TRANSFER_POLL_MS.
+            if self.engine.has_runnable():
+                self._receive(timeout_ms=0)
+            elif self.engine.has_work():
+                self._receive(timeout_ms=TRANSFER_POLL_MS, wake=True)
+            else:
+                self._receive(timeout_ms=IDLE_WAIT_MS)
             if self.engine.has_work():
                 # First tokens that arrived with the KV (decode role) go out before the
                 # next decode forward, not one step later.
@@ -73,9 +91,19 @@ class SchedulerService:
                 return
 
     # -- input -------------------------------------------------------------------------
-    def _receive(self, timeout_ms: int) -> None:
-        if not self.recv.poll(timeout_ms):
-            return
+    def _receive(self, timeout_ms: int, wake: bool = False) -> None:
+        """Handle the messages that arrive within `timeout_ms`; with `wake`, a state change
+        of a transfer (the role's wake fd) also ends the wait."""
+        fd = self.engine.role.wake_fd() if wake else None
+        if fd is None:
+            if not self.recv.poll(timeout_ms):
+                return
+        else:
+            if not wait_input(self.recv, fd, timeout_ms):
+                return
+            self.engine.role.drain_wake()  # before the role polls its rooms
+            if not self.recv.poll(0):
+                return
         while True:
             try:
                 frame = self.recv.recv(zmq.NOBLOCK)

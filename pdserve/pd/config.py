@@ -48,6 +48,14 @@ class PDConfig:
                                          "which a router retries elsewhere)")
     disable_early_send: bool = opt(False, "prefill: do not send cached prefix pages before "
                                           "the forward")
+    # prefill: start a request's forward before its decode pre-allocated (its KV is queued
+    # until the decode says where to write), while the prompt pages of such requests stay
+    # within this fraction of the KV pool (docs/architecture.md: Prefill node).
+    early_start_kv_fraction: float = opt(
+        0.25, "prefill: run a request's forward before its decode node pre-allocated (the "
+              "KV waits on the sender until it did) while such requests hold at most this "
+              "fraction of the KV pool, in [0, 1] (0: wait for the decode, as a bootstrap "
+              "queue)", metavar="F")
     # prefill: serve SGLang's bootstrap endpoint on this port (None: off; 0: a free port)
     bootstrap_port: int | None = opt(
         None, "prefill: serve the bootstrap endpoint SGLang's router names with `--prefill "
@@ -65,6 +73,9 @@ class PDConfig:
         if port is not None and not 0 <= port < 65536:
             raise ConfigError(f"--disaggregation-bootstrap-port must be in 0..65535, got "
                               f"{port}")
+        if not 0.0 <= self.early_start_kv_fraction <= 1.0:
+            raise ConfigError(f"--early-start-kv-fraction must be in [0, 1], got "
+                              f"{self.early_start_kv_fraction}")
         if self.drain_timeout_s < 0 or self.drain_grace_s < 0:
             raise ConfigError("--drain-timeout-s and --drain-grace-s must be >= 0")
 

@@ -30,6 +30,14 @@ class TransferRole(Role):
             self.meta.free(pd.meta_slot)
             pd.meta_slot = None
 
+    def wake_fd(self) -> int | None:
+        """Readable on any state change of this node's rooms (rank 0's manager; a TP worker
+        rank's transfers are seen through its replies, polled on the timer)."""
+        return self.mgr.wake.fileno()
+
+    def drain_wake(self) -> None:
+        self.mgr.wake.drain()
+
     def registry_fields(self) -> dict:
         return tp_registry_fields(self.mgr.registry_fields(), self.model_name, self.tp_fields,
                                   self.ctx.kv_heads)

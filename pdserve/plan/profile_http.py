@@ -20,7 +20,8 @@ measures, ~0.2-0.3 ms a token more than a bare reader on this machine); the medi
   (colocated node / decode node of the PD stack);
 - `request_overhead_s`: colocated TTFT minus one extend step (with its step overhead);
 - `pd_request_overhead_s`: PD TTFT minus the simulator's own path for an idle stack
-  (handshake + extend step + KV transfer of the prompt).
+  (the extend step, started on arrival, or the handshake when that is longer: the
+  prefill node's default early start; then the KV transfer of the prompt).
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ def overheads(prof, prompt: int, new: int, colocated: tuple,
            "prefill_scale": pscale, "request_jitter_s": _jitter(colocated),
            "tpot_jitter_s": _jitter(colocated, 3)}
     if pd is not None:
-        path = prof.transfer_latency_s + extend + step + prof.transfer_s(prompt)
+        # early start (the nodes' default): the extend step runs while the decode node's
+        # pre-allocation is on its way (`sim.py`)
+        path = max(prof.transfer_latency_s, extend + step) + prof.transfer_s(prompt)
         out.update(pd_request_overhead_s=max(0.0, pd[0] - path),
                    pd_step_overhead_s=max(0.0, pd[1] - decode),
                    pd_ttft_s=pd[0], pd_tpot_s=pd[1], pd_request_jitter_s=_jitter(pd),

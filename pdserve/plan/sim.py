@@ -7,10 +7,15 @@ event per engine step of a node (not per token), per prefill hand-off and per KV
 PD request path (docs/architecture.md: Request lifecycles): the router picks a prefill node
 (`picker.order_prefill`: random preferred node — a rendezvous hash of unique prompts — that
 yields to the least-loaded one beyond the balance thresholds) and the least-loaded decode
-node (ties at random); the decode node pre-allocates; one control round-trip later the
-request enters the prefill node's queue; each chunk's pages go out on the prefill node's
-single transfer thread after that chunk's step; the first token streams when the decode node
-commits the KV (at its next step start); decode steps make the rest. An idle node starts
+node (ties at random); the decode node pre-allocates, and one control round-trip later the
+prefill node knows where to write. Early start (`early_start_kv_fraction`, the prefill
+node's cap): a request enters the prefill node's queue on arrival when the prompt pages of
+its requests that started early and whose decode has not asked yet stay within that
+fraction of the pool (decided on arrival); the others enter at that round-trip's end. Each
+chunk's pages go out on the prefill node's single transfer thread after that chunk's step,
+or, for pages computed before the decode asked, as one transfer when it asks; the first
+token streams when the decode node commits the KV (at its next step start); decode steps
+make the rest. An idle node starts
 its step after every event of the same instant (a `KICK` event queued behind them), so
 prompts entering, or KV landing, at one instant share a batch as in the engine.
 Colocated: the router sends to the least-loaded node; TTFT is the end of the last prefill
@@ -55,6 +60,7 @@ class ClusterSpec:
     balance_abs: int = 4  # router --balance-abs-threshold
     balance_rel: float = 1.5  # router --balance-rel-threshold
     max_backlog: int = 0  # stop early when this many requests are open (0: 50x capacity)
+    early_start_kv_fraction: float = 0.25  # prefill --early-start-kv-fraction (0: off)
 
     @property
     def pd(self) -> bool:
@@ -164,18 +170,35 @@ class Simulator:
     def _extend_done(self, node: SimNode, t: float) -> None:
         spec = node.spec
         if node.kind == "prefill":  # every chunk's pages go out on the transfer thread
-            for _rid, _start, q in node.rows:
-                node.tx_free = max(t, node.tx_free) + self.prof.transfer_s(q)
+            for rid, _start, q in node.rows:
+                if self.unasked[rid]:  # started early: held until the decode asks
+                    self.unsent[rid] += q
+                else:
+                    node.tx_free = max(t, node.tx_free) + self.prof.transfer_s(q)
         for rid in node.finish_extend():
             if node.kind == "prefill":
                 node.held += spec.pages(self.isl[rid])
-                self._push(node.tx_free, KV_DONE, rid, node.idx)
+                if self.unasked[rid]:
+                    self.computed[rid] = True  # KV_DONE once the decode asked
+                else:
+                    self._push(node.tx_free, KV_DONE, rid, node.idx)
             else:
                 self.first[rid] = t
                 if self.osl[rid] <= 1:
                     self._finish(rid, t)
                 else:
                     node.join(rid, self.isl[rid], self.osl[rid] - 1)
+
+    def _asked(self, rid: int, p: SimNode, t: float) -> None:
+        """The decode's pre-allocation reached prefill node `p` for a request that
+        started early: what it computed so far goes out now, the rest as computed."""
+        self.unasked[rid] = False
+        self.early_pages[p.idx] -= p.spec.pages(self.isl[rid])
+        if self.unsent[rid]:
+            p.tx_free = max(t, p.tx_free) + self.prof.transfer_s(self.unsent[rid])
+            self.unsent[rid] = 0
+        if self.computed[rid]:
+            self._push(p.tx_free, KV_DONE, rid, p.idx)
 
     def _kv_done(self, rid: int, p: SimNode, t: float) -> None:
         p.held -= p.spec.pages(self.isl[rid])
@@ -211,6 +234,14 @@ class Simulator:
         p = pick_prefill(self.pin, r >> 8, self.c.balance_abs, self.c.balance_rel)
         self.pin.add(p, 1)
         self.req_p[rid] = p
+        pn = self.pn[p]
+        pages = pn.spec.pages(self.isl[rid])
+        if self.early_pages[p] + pages <= self.c.early_start_kv_fraction * pn.spec.pool_pages:
+            self.unasked[rid] = True  # early start: into the prefill queue now
+            self.early_pages[p] += pages
+            pn.waiting.append(rid)
+            if not pn.busy:  # after every other entry at this instant
+                self._push(t, KICK, p, 0)
         node = self.dn[d]
         node.prealloc.append((rid, self.isl[rid], self.osl[rid]))
         if not node.busy:
@@ -223,6 +254,9 @@ class Simulator:
         arrival = wl.arrival.tolist()
         self.first, self.end = [math.nan] * n, [math.nan] * n
         self.req_p, self.req_d = [0] * n, [0] * n
+        # early start: started before the decode asked, tokens computed meanwhile, done
+        self.unasked, self.unsent, self.computed = [False] * n, [0] * n, [False] * n
+        self.early_pages = [0] * len(self.pn)  # per prefill node: pages of unasked requests
         self.rand = self.rng.integers(0, 1 << 60, size=n).tolist()
         self.pin, self.din = LoadIndex(len(self.pn)), LoadIndex(len(self.dn))
         self.done = 0
@@ -245,6 +279,8 @@ class Simulator:
                     self._kv_done(a, self.pn[b], t)
                 elif kind == KICK:
                     self._kick(nodes[b][a], t)
+                elif self.unasked[a]:  # PREFILL_IN of a request that started early
+                    self._asked(a, self.pn[b], t)
                 else:
                     node = self.pn[b]
                     node.waiting.append(a)

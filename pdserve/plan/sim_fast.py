@@ -8,11 +8,16 @@ runs every node at once in lockstep (`sim_lanes.py`):
    decode = round robin (`sim.py`: the least-loaded, ties at random: the same balance for
    equal nodes; `sim.py` also yields to the least-loaded prefill node past the balance
    thresholds, which balanced traffic rarely reaches);
-2. prefill lanes with entry = pre-allocation + handshake → KV arrival times;
+2. prefill lanes with entry = pre-allocation + handshake → KV arrival times; with early
+   start (`early_start_kv_fraction` > 0; its cap is not checked, as the pool is not) the
+   entry is the arrival, and the KV lands no earlier than one transfer of the whole prompt
+   after pre-allocation + handshake (`sim.py`: pages computed before the decode asked go
+   out together when it asks);
 3. decode lanes → first and last token times. The decode node pre-allocates when its step
    in flight ends (as in `sim.py`), which depends on the decode schedule: 2-3 run with
    entry = arrival + handshake and record when each request's pre-allocation would have
-   happened; `prealloc="shift"` (default) then adds that wait to the request's times,
+   happened; `prealloc="shift"` (default) then adds the delay that wait causes to the
+   request's times (the whole wait; with early start, only what lands the KV later),
    `"rerun"` runs 2-3 again with the waits in the entries (twice the time, closer to
    `sim.py` at high load), `"none"` ignores it.
 Time segments: with `segment_s` > 0 a long workload is cut into segments of that length,
@@ -56,6 +61,12 @@ def by_lane(lane: np.ndarray, nlanes: int, t: np.ndarray, base: np.ndarray,
     counts = np.bincount(lane, minlength=nlanes)
     ends = np.cumsum(counts)
     return o, ends - counts, ends
+
+
+def _transfer_s(prof: Profile, tokens: np.ndarray) -> np.ndarray:
+    """`Profile.transfer_s` of each prompt length."""
+    return prof.transfer_latency_s + tokens * (prof.kv_bytes_per_token
+                                               / (prof.transfer_gbps * 1e9))
 
 
 class FastSimulator:
@@ -136,21 +147,29 @@ class FastSimulator:
         base = np.arange(len(arr))
         po, ps, pe = by_lane(plane, np_l, arr, base)
         ao, a_s, a_e = by_lane(dlane, nd_l, arr, base)  # (decode lane, arrival) order
-        entry = arr + prof.transfer_latency_s
+        early = c.early_start_kv_fraction > 0
+        asked = arr + prof.transfer_latency_s  # the prefill knows where to write
+        entry = arr if early else asked
         track = self.prealloc != "none"
         kv, pbusy, psteps, dec = self._pass(entry, isl, steps, plane, dlane, nseg, po, ps, pe,
-                                            ao, (arr[ao], a_s, a_e) if track else None)
+                                            ao, (arr[ao], a_s, a_e) if track else None,
+                                            asked if early else None)
         wait = np.zeros(len(arr))
         if track:
             wait[ao] = dec.bound - arr[ao]  # pre-allocation waits on the decode nodes
         if self.prealloc == "rerun":
-            entry = entry + wait
-            po, ps, pe = by_lane(plane, np_l, entry, po, True)
+            if early:  # the prefill entries stay; only the decode's asks move
+                asked = asked + wait
+            else:
+                entry = entry + wait
+                po, ps, pe = by_lane(plane, np_l, entry, po, True)
             kv, pbusy, psteps, dec = self._pass(entry, isl, steps, plane, dlane, nseg, po, ps,
-                                                pe, ao, None)
+                                                pe, ao, None, asked if early else None)
         first, end = kv.copy(), kv.copy()  # one output token: done when the KV lands
         first[dec.order], end[dec.order] = dec.first, dec.end
         if self.prealloc == "shift":  # the first pass's waits, added afterwards
+            if early:  # the KV lands this much later once the decode asks later
+                wait = np.maximum(kv, asked + wait + _transfer_s(prof, isl)) - kv
             first += wait
             end += wait
         self.steps += psteps + dec.steps
@@ -161,11 +180,16 @@ class FastSimulator:
 
     def _pass(self, entry: np.ndarray, isl: np.ndarray, steps: np.ndarray,
               plane: np.ndarray, dlane: np.ndarray, nseg: int, po: np.ndarray, ps: np.ndarray,
-              pe: np.ndarray, ao: np.ndarray, arrivals: tuple | None) -> tuple:
-        """Prefill lanes then decode lanes: KV times, prefill busy, steps, decode lanes."""
+              pe: np.ndarray, ao: np.ndarray, arrivals: tuple | None,
+              asked: np.ndarray | None = None) -> tuple:
+        """Prefill lanes then decode lanes: KV times, prefill busy, steps, decode lanes.
+        `asked` (early start): when each decode's pre-allocation reaches the prefill; the
+        KV lands one whole-prompt transfer after it at the earliest."""
         c = self.c
         kv = np.empty(len(entry))
         kv[po], pbusy, psteps = prefill_lanes(entry[po], isl[po], ps, pe, self.prof, c.node)
+        if asked is not None:
+            kv = np.maximum(kv, asked + _transfer_s(self.prof, isl))
         dec = self._decode(kv, isl, steps, dlane, nseg * c.decode, ao, arrivals)
         return kv, pbusy, psteps, dec
 

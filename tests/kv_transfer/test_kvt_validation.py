@@ -66,6 +66,19 @@ def test_invalid_local_arguments_fail_only_that_room(pair: Pair) -> None:
     check_rooms(pair, [ok])
 
 
+def test_room_failed_before_the_decode_asked_tells_it_why(pair: Pair) -> None:
+    """A sender that fails before any decode asked (a prefill that started early, then
+    was aborted or timed out): a Request that comes later hears the reason."""
+    room, sender, receiver = _room_pair(pair, "main")
+    pair.prefill.call("senders", [sender])
+    pair.prefill.call("abort", [room])
+    assert pair.prefill.wait([room])[room] == (FAILED, "aborted by prefill: test abort")
+    pair.decode.call("receivers", [receiver])
+    got = pair.decode.wait([room])[room]
+    assert got == (FAILED, "prefill: room already finished: aborted by prefill: test abort"), \
+        got
+
+
 def test_finished_room_is_never_resurrected(pair: Pair) -> None:
     r = make_room(pair, random.Random(42), tokens=12)
     launch(pair, [r])

@@ -44,6 +44,24 @@ def test_hops_add_up_to_ttft_in_order():
     assert sum(hops.values()) == pytest.approx(22.0)
 
 
+def test_early_start_bootstrap_overlapping_the_forward_is_cut_in_time_order():
+    """A prefill that started before its decode asked: "prefill queue" and the forward lie
+    inside "prefill bootstrap"; the hops follow the moments in time order, none negative,
+    and the bootstrap hop is only the wait the forward did not hide."""
+    s = [("router receive", 1, 50), ("router pick", 2, 3), ("prefill request", 4, 30),
+         ("decode request", 4, 49), ("prefill queue", 4, 5), ("prefill forward", 5, 9),
+         ("prefill bootstrap", 4, 11), ("kv send", 11, 13), ("decode receive", 6, 14),
+         ("decode first token", 14, 16)]
+    hops = ttft_hops(TracedRequest("t1", 0, 18 * MS), [_span(n, a, b) for n, a, b in s])
+    assert list(hops) == ["router receive", "router pick", "to prefill node",
+                          "prefill queue", "prefill forward", "prefill bootstrap", "kv send",
+                          "decode receive", "decode first token", "to client"]
+    assert hops["prefill forward"] == pytest.approx(4.0)
+    assert hops["prefill bootstrap"] == pytest.approx(2.0)  # 9 -> 11: not hidden
+    assert min(hops.values()) >= 0
+    assert sum(hops.values()) == pytest.approx(18.0)
+
+
 def test_colocated_trace_has_fewer_hops_and_failed_requests_none():
     spans = [_span("colocated request", 1, 9), _span("prefill queue", 1, 2),
              _span("prefill forward", 2, 6)]

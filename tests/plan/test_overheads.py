@@ -23,11 +23,12 @@ def one(isl: int = 100, osl: int = 5, at: float = 1.0) -> Workload:
 @pytest.mark.parametrize("sim", [Simulator, FastSimulator])
 def test_pd_request_pays_the_stack_overheads(sim):
     r = sim(round_profile(**OVER), ClusterSpec(prefill=1, decode=1)).run(one())
-    # handshake 5 + extend (10 + 100 + 1 step overhead) + transfer 5 + PD request 30 ms;
+    # extend (10 + 100 + 1 step overhead) from arrival (early start: the 5 ms handshake
+    # runs meanwhile) + transfer 5 + PD request 30 ms;
     # 4 decode steps of 20 + 4 (PD decode step overhead) ms
-    assert r.ttft[0] == pytest.approx(0.151)
+    assert r.ttft[0] == pytest.approx(0.146)
     assert r.tpot[0] == pytest.approx(0.024)
-    assert r.e2e[0] == pytest.approx(0.151 + 4 * 0.024)
+    assert r.e2e[0] == pytest.approx(0.146 + 4 * 0.024)
 
 
 def test_colocated_request_pays_the_node_overheads():
@@ -40,7 +41,7 @@ def test_colocated_request_pays_the_node_overheads():
 def test_old_profile_without_pd_overheads_uses_the_node_ones():
     over = {k: v for k, v in OVER.items() if not k.startswith("pd_")}
     r = Simulator(round_profile(**over), ClusterSpec(prefill=1, decode=1)).run(one())
-    assert r.ttft[0] == pytest.approx(0.123)  # 5 + 111 + 5 + 2
+    assert r.ttft[0] == pytest.approx(0.118)  # 111 (early start) + 5 + 2
     assert r.tpot[0] == pytest.approx(0.021)
 
 
@@ -48,9 +49,11 @@ def test_pd_step_overhead_delays_a_kv_landing_mid_step():
     # A: entry 0.005, extend 0.005-0.115, KV 0.120, decode steps of 20 + 4 ms from 0.120.
     # B (10 tokens) arrives 0.030: entry 0.035, waits for the prefill node until 0.115,
     # extend 0.115-0.135, KV 0.140, inside A's step 0.120-0.144: it joins at 0.144
+    # (without early start: each request enters the prefill node after the handshake)
     prof = round_profile(pd_step_overhead_s=0.004)
     work = Workload(np.array([0.0, 0.030]), np.array([100, 10]), np.array([5, 3]))
-    r = Simulator(prof, ClusterSpec(prefill=1, decode=1)).run(work)
+    r = Simulator(prof, ClusterSpec(prefill=1, decode=1, early_start_kv_fraction=0.0)
+                  ).run(work)
     assert r.ttft == pytest.approx([0.120, 0.144 - 0.030])
     assert r.e2e == pytest.approx([0.120 + 4 * 0.024, 0.144 + 2 * 0.024 - 0.030])
 
@@ -79,8 +82,9 @@ def test_a_disturbed_engine_profile_is_brought_down_to_the_served_times():
     assert got["prefill_scale"] == pytest.approx(0.030 / 0.074)
     assert got["step_overhead_s"] == 0.0 and got["request_overhead_s"] == pytest.approx(0.0)
     assert got["pd_step_overhead_s"] == pytest.approx(0.001)
-    # PD path: 5 handshake + 30 extend (scaled) + 5 transfer = 40 ms of the 50 measured
-    assert got["pd_request_overhead_s"] == pytest.approx(0.010)
+    # PD path: 30 extend (scaled; early start hides the 5 ms handshake) + 5 transfer =
+    # 35 ms of the 50 measured
+    assert got["pd_request_overhead_s"] == pytest.approx(0.015)
     # an undisturbed profile is left alone
     fine = overheads(prof, 64, 32, (0.080, 0.021), None)
     assert fine["decode_scale"] == fine["prefill_scale"] == 1.0
@@ -108,10 +112,10 @@ def _isolated_requests(prof):
 
 
 def test_each_request_draws_a_measured_jitter_the_same_in_both_simulators():
-    # isolated requests: TTFT = 151 ms (as above) + one of the measured jitters
+    # isolated requests: TTFT = 146 ms (as above) + one of the measured jitters
     ref, fast, co = _isolated_requests(
         round_profile(**OVER, pd_request_jitter_s=[-0.002, 0.0, 0.010]))
-    assert set(np.round(ref.ttft * 1e3, 6)) == {149.0, 151.0, 161.0}
+    assert set(np.round(ref.ttft * 1e3, 6)) == {144.0, 146.0, 156.0}
     np.testing.assert_allclose(fast.ttft, ref.ttft)
     np.testing.assert_allclose(ref.e2e - ref.ttft, 4 * 0.024)  # TPOT keeps no jitter
     # the colocated path draws from its own list (none here: no spread)
@@ -137,5 +141,5 @@ def test_each_request_draws_a_measured_token_jitter_the_same_in_both_simulators(
         round_profile(**OVER, pd_tpot_jitter_s=[-0.001, 0.0, 0.006]))
     assert set(np.round(ref.tpot * 1e3, 6)) == {23.0, 24.0, 30.0}
     np.testing.assert_allclose(fast.tpot, ref.tpot)
-    np.testing.assert_allclose(ref.ttft, 0.151)
+    np.testing.assert_allclose(ref.ttft, 0.146)
     assert np.ptp(co.tpot) < 1e-12  # the colocated path's own list is empty: no spread

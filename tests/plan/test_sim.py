@@ -31,10 +31,41 @@ def test_single_request_colocated_exact():
 
 def test_single_request_pd_exact():
     r = run(ClusterSpec(prefill=1, decode=1), wl([1.0], [100], [5]))
+    # early start: prefill 110 ms from arrival (the 5 ms handshake runs meanwhile),
+    # transfer 5 ms, then 4 decode steps
+    assert r.ttft[0] == pytest.approx(0.115)
+    assert r.e2e[0] == pytest.approx(0.195)
+    assert r.tpot[0] == pytest.approx(0.020)
+
+
+def test_single_request_pd_without_early_start_waits_for_the_handshake():
+    r = run(ClusterSpec(prefill=1, decode=1, early_start_kv_fraction=0.0),
+            wl([1.0], [100], [5]))
     # handshake 5 ms, prefill 110 ms, transfer 5 ms, then 4 decode steps
     assert r.ttft[0] == pytest.approx(0.120)
     assert r.e2e[0] == pytest.approx(0.200)
-    assert r.tpot[0] == pytest.approx(0.020)
+
+
+def test_early_start_pages_wait_for_a_slow_handshake():
+    # handshake 200 ms > prefill 110 ms: the computed pages go out when the decode asks
+    # (200 ms), one transfer of 200 ms; without early start the prefill waits for it
+    slow = {"transfer_latency_s": 0.2}
+    early = run(ClusterSpec(prefill=1, decode=1), wl([1.0], [100], [1]), **slow)
+    late = run(ClusterSpec(prefill=1, decode=1, early_start_kv_fraction=0.0),
+               wl([1.0], [100], [1]), **slow)
+    assert early.ttft[0] == pytest.approx(0.400)
+    assert late.ttft[0] == pytest.approx(0.510)
+
+
+def test_early_start_cap_bounds_the_pages_started_early():
+    # a pool of 100 pages of 16 tokens, cap 0.1: one 100-token prompt (7 pages) starts on
+    # arrival; the second, at the same instant, would hold 14 > 10 pages: it waits for
+    # the handshake (5 ms), then for the prefill node (busy until 110 ms)
+    node = NodeSpec(pool_pages=100, page_size=16)
+    r = run(ClusterSpec(prefill=1, decode=1, node=node, early_start_kv_fraction=0.1),
+            wl([0.0, 0.0], [100, 100], [1, 1]))
+    assert r.ttft[0] == pytest.approx(0.115)
+    assert r.ttft[1] > 0.115 + 0.100
 
 
 def test_one_output_token_has_no_tpot():

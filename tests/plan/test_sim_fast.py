@@ -112,8 +112,9 @@ def test_prealloc_wait_modes():
     # when the step in flight ends (150 ms), enters prefill at 155, its KV lands at 180,
     # mid-step: first token at 190. "rerun" replays that; "shift" adds the 13 ms wait to
     # the unwaited path (first token 170 + 13); "none" ignores it
+    # (without early start: the request enters prefill only once the decode asked)
     work = Workload(np.array([0.0, 0.137]), np.array([10, 10]), np.array([40, 2]))
-    cluster = ClusterSpec(prefill=1, decode=1)
+    cluster = ClusterSpec(prefill=1, decode=1, early_start_kv_fraction=0.0)
     prof = round_profile()
     ref = Simulator(prof, cluster).run(work)
     shift = FastSimulator(prof, cluster).run(work)
@@ -124,6 +125,20 @@ def test_prealloc_wait_modes():
     assert shift.ttft[1] == pytest.approx(0.183 - 0.137)
     assert none.ttft[1] == pytest.approx(0.170 - 0.137)
     assert shift.ttft[0] == none.ttft[0] == pytest.approx(ref.ttft[0])
+
+
+def test_prealloc_wait_hidden_by_an_early_started_forward():
+    # as above, with early start: the second request's forward runs 137-157 ms while its
+    # pre-allocation waits (150) and travels (155); its KV goes out at 157, lands at 162
+    # mid-step: first token at 165 in every mode (the wait cost nothing)
+    work = Workload(np.array([0.0, 0.137]), np.array([10, 10]), np.array([40, 2]))
+    cluster = ClusterSpec(prefill=1, decode=1)
+    prof = round_profile()
+    ref = Simulator(prof, cluster).run(work)
+    assert ref.ttft[1] == pytest.approx(0.165 - 0.137)
+    for mode in ("shift", "none", "rerun"):
+        fast = FastSimulator(prof, cluster, prealloc=mode).run(work)
+        assert fast.ttft == pytest.approx(ref.ttft), mode
 
 
 def test_refusals():
