@@ -72,6 +72,21 @@ def stop_process(proc: BaseProcess, timeout: float = 10) -> None:
         proc.join(5)
 
 
+# A unix socket's path must fit sockaddr_un.sun_path: 108 bytes with the NUL on Linux.
+SUN_PATH_MAX = 107
+
+
+def ipc_tempdir(base: str | None = None) -> tempfile.TemporaryDirectory[str]:
+    """The folder of the node's two IPC sockets (removed at exit): under TMPDIR, or under
+    /tmp when a socket path there would be too long for a unix socket (a deep TMPDIR, as
+    a job scheduler's or a test's, would otherwise fail the start in zmq)."""
+    base = base or tempfile.gettempdir()
+    longest = os.path.join(base, "pdserve-" + "x" * 8, "from_sched")
+    if len(os.fsencode(longest)) > SUN_PATH_MAX:
+        base = "/tmp"
+    return tempfile.TemporaryDirectory(prefix="pdserve-", dir=base)
+
+
 def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -85,7 +100,7 @@ def serve(cfg: ServerConfig) -> int:
     eng = cfg.engine  # clear error early; a Hub model is downloaded here, once
     path = resolve_model(eng.model, eng.model_cache_dir, revision=eng.revision,
                          weights=eng.load_format == "auto")
-    with http_sock, tempfile.TemporaryDirectory(prefix="pdserve-") as ipc_dir:
+    with http_sock, ipc_tempdir() as ipc_dir:
         proc, to_sched, from_sched = start_scheduler(cfg, ipc_dir)
         try:
             return asyncio.run(_serve_async(cfg, proc, to_sched, from_sched, path,

@@ -268,3 +268,22 @@ def test_negative_thread_counts_are_refused():
         EngineConfig(threads=-1)
     with pytest.raises(ValueError, match="--node-threads must be >= 0"):
         StackConfig(model="tiny-llama", node_threads=-2)
+
+
+def test_the_ipc_folder_leaves_a_too_deep_tmpdir_for_one_a_socket_fits_in(tmp_path):
+    import zmq
+
+    from pdserve.node.launcher import SUN_PATH_MAX, ipc_tempdir
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    for base, inside in ((str(tmp_path), True), (str(deep), False)):
+        with ipc_tempdir(base) as folder:
+            assert folder.startswith(base + "/") == inside, (base, folder)
+            path = f"{folder}/from_sched"
+            assert len(path) <= SUN_PATH_MAX
+            sock = zmq.Context.instance().socket(zmq.PULL)
+            try:
+                sock.bind(f"ipc://{path}")  # zmq refuses a path over sun_path
+            finally:
+                sock.close(linger=0)
