@@ -30,7 +30,10 @@ mypy  # over every package, settings in pyproject.toml
 # `-m "not slow"`: the long checks run in `bash scripts/slow_checks.sh` (README).
 # Two pytest-xdist workers, whole files to each (`loadfile`: a module's fixtures, stacks and
 # engines stay in one process, and its tests keep their file order); tests/README.md: Memory.
-python -m pytest -q -p no:randomly -m "not slow" -n 2 --dist loadfile --durations=25 "$@"
+# `--no-loadscope-reorder`: files go out in collection order, which tests/conftest.py
+# starts with the longest files (LONGEST_FIRST).
+python -m pytest -q -p no:randomly -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder \
+    --durations=25 "$@"
 if [ "$#" -eq 0 ]; then
     # The router/stack tests run over tcp above; their API part runs again over Mooncake,
     # the product's default transfer backend (tests/router/router_harness.py: BACKEND).
