@@ -1,9 +1,9 @@
 """The control thread shared by both roles.
 
 It owns the ZMQ control sockets (ZMQ sockets are not thread-safe) and all room tables:
-other threads never touch them, they `post()` closures that run here. A self-pipe wakes
-the poller, so posts are acted on at once; `on_tick` runs at least every `tick_s` to
-enforce deadlines and heartbeats.
+other threads never touch them, they `post()` closures that run here. A self-pipe
+(kv_transfer/wake.py) wakes the poller, so posts are acted on at once; `on_tick` runs at
+least every `tick_s` to enforce deadlines and heartbeats.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 
 import zmq
+
+from kv_transfer.wake import Wake
 
 log = logging.getLogger(__name__)
 _MAX_BURST = 256  # messages drained per socket per wake-up, so ticks are never starved
@@ -30,13 +31,9 @@ class ControlLoop:
         self._poller = zmq.Poller()
         self._sockets: dict[zmq.Socket, Callable[[list[bytes]], None]] = {}
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        os.set_blocking(self._wfd, False)
-        self._poller.register(self._rfd, zmq.POLLIN)
+        self._pipe = Wake()  # a post() wakes the poller
+        self._poller.register(self._pipe.fileno(), zmq.POLLIN)
         self._stop = threading.Event()
-        self._post_lock = threading.Lock()
-        self._pipe_closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -49,22 +46,18 @@ class ControlLoop:
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run fn on the control thread soon; callable from any thread."""
-        with self._post_lock:
-            if self._pipe_closed:
-                return
-            self._calls.put(fn)
-            try:
-                os.write(self._wfd, b"\0")
-            except BlockingIOError:
-                pass  # the pipe is full, so a wake-up is already pending
+        # Queued first, so the wake-up finds it. After stop() closed the pipe the call
+        # never runs (as the loop has ended).
+        self._calls.put(fn)
+        self._pipe.notify()
 
     def _run(self) -> None:
         next_tick = time.monotonic()
         while not self._stop.is_set():
             timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
             ready = dict(self._poller.poll(math.ceil(timeout_ms)))
-            if self._rfd in ready:
-                self._drain_pipe()
+            if self._pipe.fileno() in ready:
+                self._pipe.drain()
             self._run_calls()
             for sock in [s for s in self._sockets if s in ready]:
                 self._drain_socket(sock)
@@ -76,13 +69,6 @@ class ControlLoop:
         for sock in list(self._sockets):
             sock.close(0)
         self.ctx.term()
-
-    def _drain_pipe(self) -> None:
-        try:
-            while os.read(self._rfd, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _run_calls(self) -> None:
         while True:
@@ -121,9 +107,5 @@ class ControlLoop:
             self._thread.join(timeout)
         if self._thread.is_alive():
             return False  # leave the pipe open: the thread may still read it
-        with self._post_lock:
-            if not self._pipe_closed:
-                self._pipe_closed = True
-                os.close(self._rfd)
-                os.close(self._wfd)
+        self._pipe.close()
         return True
