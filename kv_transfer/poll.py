@@ -39,7 +39,9 @@ class RoomStatus:
                  "jobs_done_at", "accepted_at", "_wake")
 
     def __init__(self, wake: Wake | None = None) -> None:
-        """`wake`: notified on every state change (kv_transfer/wake.py)."""
+        """`wake`: notified on every state change a scheduler acts on (kv_transfer/wake.py):
+        all but the move to Transferring, which no role reads (a wake-up then would only
+        take the GIL from the control and transfer threads at work on this room)."""
         self._wake = wake
         self._state = KVPoll.Bootstrapping
         self._reason: str | None = None
@@ -72,7 +74,8 @@ class RoomStatus:
                 self.finished_at = time.monotonic()
             elif new == KVPoll.WaitingForInput:
                 self.accepted_at = time.monotonic()
-        self._notify()
+        if new != KVPoll.Transferring:
+            self._notify()
         return True
 
     def _notify(self) -> None:

@@ -197,3 +197,62 @@ def test_tcp_backend_serves_when_mooncake_cannot_be_imported(
     for i in range(4):  # K/V buffers: pages 5 and 6 hold pages 0 and 1 of the source
         assert dst_keep[i].raw[5 * 64:7 * 64] == src_keep[i].raw[:128]
         assert dst_keep[i].raw[:5 * 64] == bytes([i]) * (5 * 64)  # untouched
+
+
+class _CountingEngine:
+    """Wraps a pybind Mooncake engine (its methods cannot be patched) to count calls."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._engine, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+        return counted
+
+
+def test_mooncake_small_batches_polled_large_batches_sync() -> None:
+    """Two real Mooncake engines in this process. A batch of at most POLL_MAX_ENTRIES goes
+    as one-entry async writes waited for by polling (no core-spinning sync call), a larger
+    one through the sync batch call; both land byte-exact. A write to a peer that is not
+    there fails (rc != 0) instead of hanging."""
+    from kv_transfer.backends.mooncake import POLL_MAX_ENTRIES, MooncakeBackend
+
+    cfg = KVTransferConfig(transfer_timeout_s=10.0)
+    n = POLL_MAX_ENTRIES + 72  # entries of the large batch; 256-byte entries
+    src_buf = ctypes.create_string_buffer(bytes(range(256)) * n)
+    dst_buf = ctypes.create_string_buffer(n * 256)
+    src, dst = MooncakeBackend(cfg), MooncakeBackend(cfg)
+    try:
+        src.register([(ctypes.addressof(src_buf), n * 256)])
+        dst.register([(ctypes.addressof(dst_buf), n * 256)])
+        spy = _CountingEngine(src._engine)
+        src._engine = spy
+        s0, d0 = ctypes.addressof(src_buf), ctypes.addressof(dst_buf)
+        # Small: every other 256-byte entry (9 entries, as a tiny model's request).
+        small = Entries([s0 + 512 * i for i in range(9)], [d0 + 512 * i for i in range(9)],
+                        [256] * 9)
+        assert src.write(dst.session, small) == 0
+        assert spy.calls == {"transfer_submit_write": 9,
+                             "transfer_check_status": spy.calls["transfer_check_status"]}
+        for i in range(9):
+            assert dst_buf.raw[512 * i:512 * i + 256] == src_buf.raw[512 * i:512 * i + 256]
+            assert dst_buf.raw[512 * i + 256:512 * i + 512] == bytes(256)  # not written
+        spy.calls.clear()
+        large = Entries([s0 + 256 * i for i in range(n)], [d0 + 256 * i for i in range(n)],
+                        [256] * n)
+        assert src.write(dst.session, large) == 0
+        assert spy.calls == {"batch_transfer_sync_write": 1}
+        assert dst_buf.raw == src_buf.raw[:n * 256]  # (create_string_buffer adds a NUL)
+        t0 = time.monotonic()
+        assert src.write("127.0.0.1:1", small) != 0  # nothing listens there
+        assert time.monotonic() - t0 < 10
+    finally:
+        for backend in (src, dst):
+            if isinstance(backend._engine, _CountingEngine):
+                backend._engine = backend._engine._engine
+            backend.close()
