@@ -110,7 +110,7 @@ class PrefillRole(TransferRole):
             if sender.poll() >= KVPoll.WaitingForInput:
                 self._leave_early(req)
                 if req.trace is not None:  # arrival to the decode node's Request
-                    at = getattr(sender, "accepted_at", None)
+                    at = sender.accepted_at
                     req.trace.span("prefill bootstrap", req.trace.marks["arrived"],
                                    Timeline.wall_ns(at) if at is not None else now_ns())
         for req in list(self.live):
@@ -269,10 +269,11 @@ class PrefillRole(TransferRole):
 
 
 
-def _trace_sends(trace: Timeline, sender: object, ok: bool) -> None:
+def _trace_sends(trace: Timeline, sender: KVSender | TPSender, ok: bool) -> None:
     """One "kv send" span per send() of a traced request: from the call to its transfer job
-    being written (the sender's per-job times; a TP sender has none: the room's end)."""
-    done = getattr(sender, "jobs_done_at", None) or []
+    being written (the sender's per-job times: rank 0's with TP; a send with no time yet
+    ends now)."""
+    done = sender.jobs_done_at
     end = now_ns()
     for i, (start, pages) in enumerate(trace.sends):
         written = Timeline.wall_ns(done[i]) if i < len(done) else end

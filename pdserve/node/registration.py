@@ -107,12 +107,12 @@ class PrefillPeerResolver:
         #   answered at once while ONE background refresh per node runs (`_refresh`; after a
         #   failed one, the next waits `fresh_s`); a failure is logged and the record kept;
         # - older still, or never seen: the request waits for the lookup, as it always did.
-        # A client that names neither bound (a test double, no cache) makes every lookup
-        # wait. A prefill that left is answered from the record until its refresh runs (the
-        # first request after `fresh_s` starts it), then refused: "no live prefill node".
+        # Bounds of 0 (a client without a cache) make every lookup wait. A prefill that
+        # left is answered from the record until its refresh runs (the first request
+        # after `fresh_s` starts it), then refused: "no live prefill node".
         self._seen: dict[str, tuple[RegisteredNode, str, float, float]] = {}
-        self.fresh_s = float(getattr(client, "cache_ttl_s", 0.0))
-        self.stale_ok_s = float(getattr(client, "stale_ok_s", 0.0))
+        self.fresh_s = float(client.cache_ttl_s)
+        self.stale_ok_s = float(client.stale_ok_s)
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}  # node_id -> when its last refresh failed
         self.refreshes = 0  # background refreshes started (tests, debugging)
@@ -210,7 +210,7 @@ class PrefillPeerResolver:
         now, epoch = time.monotonic(), self.client.epoch
         if node is not None:
             seen = self._seen.get(node_id)
-            stale = getattr(self.client, "unreachable_since", None) is not None
+            stale = self.client.unreachable_since is not None
             fresh_at = now if not stale else seen[3] if seen else float("-inf")
             self._seen[node_id] = (node, epoch, now, fresh_at)
             return node

@@ -30,13 +30,19 @@ TRANSFER_POLL_MS = 2
 IDLE_WAIT_MS = 100
 
 
-def wait_input(recv: zmq.Socket, fd: int, timeout_ms: int) -> bool:
-    """Wait until `recv` has a message or `fd` is readable, at most `timeout_ms`; True when
-    either happened."""
-    poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
-    poller.register(fd, zmq.POLLIN)
-    return bool(poller.poll(timeout_ms))
+class InputWait:
+    """Waits until `recv` has a message or `fd` is readable: one poller, kept for the
+    loop's life (the wait runs every few milliseconds while transfers are pending)."""
+
+    def __init__(self, recv: zmq.Socket, fd: int) -> None:
+        self.fd = fd
+        self._poller = zmq.Poller()
+        self._poller.register(recv, zmq.POLLIN)
+        self._poller.register(fd, zmq.POLLIN)
+
+    def __call__(self, timeout_ms: int) -> bool:
+        """At most `timeout_ms`; True when either became readable."""
+        return bool(self._poller.poll(timeout_ms))
 
 
 class SchedulerService:
@@ -48,6 +54,7 @@ class SchedulerService:
         self.stopping = False
         self._last_stats = 0.0
         self._stats_seq = 0
+        self._wait: InputWait | None = None  # for the role's wake fd, made on first use
 
     def ready_message(self) -> m.Ready:
         e = self.engine
@@ -99,7 +106,9 @@ class SchedulerService:
             if not self.recv.poll(timeout_ms):
                 return
         else:
-            if not wait_input(self.recv, fd, timeout_ms):
+            if self._wait is None or self._wait.fd != fd:
+                self._wait = InputWait(self.recv, fd)
+            if not self._wait(timeout_ms):
                 return
             self.engine.role.drain_wake()  # before the role polls its rooms
             if not self.recv.poll(0):

@@ -90,6 +90,19 @@ class SubRooms:
     def peer_fault(self) -> bool:
         return self._fault
 
+    @property
+    def accepted_at(self) -> float | None:
+        """Senders: when the last decode rank's Request was accepted (time.monotonic());
+        None before all were (or with no share to send)."""
+        times = [h.accepted_at for h in self.handles]
+        return None if not times or None in times else max(times)
+
+    @property
+    def jobs_done_at(self) -> list[float]:
+        """Senders: when each send() so far was written by every sub-sender."""
+        done = [h.jobs_done_at for h in self.handles]
+        return [max(ts) for ts in zip(*done, strict=False)] if done else []
+
     def metadata(self) -> list[bytes]:
         """Every sub-transfer wrote the same row into our one metadata slot."""
         return self.handles[0].metadata()

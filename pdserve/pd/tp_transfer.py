@@ -142,6 +142,15 @@ class TPSender(_TPRoom):
             return KVPoll.Failed  # reading pages after this is harmless: the room is dead
         return min(s for s, _, _ in ranks)
 
+    # Trace times are rank 0's (the other ranks' rooms report states, not times).
+    @property
+    def accepted_at(self) -> float | None:
+        return self.local.accepted_at
+
+    @property
+    def jobs_done_at(self) -> list[float]:
+        return self.local.jobs_done_at
+
 
 class TPReceiver(_TPRoom):
     def __init__(self, mgr, room: int, tp: TPWorkers | None, kv_heads: int, size: int,

@@ -172,6 +172,8 @@ class _Registry:
     """The registry's answer for one node id (what the decode front reads)."""
 
     epoch = ""
+    cache_ttl_s = stale_ok_s = 0.0  # no cache: every lookup asks
+    unreachable_since = None
 
     def __init__(self, rec: dict) -> None:
         self.rec = rec

@@ -1,5 +1,5 @@
 """Event-driven wake-ups of a scheduler that only waits on KV transfers (kv_transfer/wake.py,
-pdserve/node/scheduler_process.py: `wait_input`; docs/architecture.md: KV transfer).
+pdserve/node/scheduler_process.py: `InputWait`; docs/architecture.md: KV transfer).
 
 No timed assertion here is under 2 s: the waits that must end early are given a 10 s
 upper bound and must end well before it; the ones that must not end early are short.
@@ -17,7 +17,7 @@ import zmq
 from kv_transfer.poll import KVPoll, RoomStatus
 from kv_transfer.wake import Wake
 from pdserve.node import scheduler_process
-from pdserve.node.scheduler_process import wait_input
+from pdserve.node.scheduler_process import InputWait
 
 LONG_S = 10.0  # the upper bound of a wait that a wake-up must cut short
 EARLY_S = 5.0  # ... to well below this
@@ -63,7 +63,7 @@ def test_a_full_pipe_and_a_closed_wake_never_raise():
     assert wake.drain() == 0
 
 
-def test_every_room_state_change_notifies():
+def test_every_room_state_change_a_scheduler_acts_on_notifies():
     wake = Wake()
     try:
         s = RoomStatus(wake)
@@ -72,6 +72,10 @@ def test_every_room_state_change_notifies():
         assert readable(wake) and wake.drain() == 1
         assert s.accepted_at is not None
         assert not s.advance(KVPoll.WaitingForInput)  # no change, no wake-up
+        assert not readable(wake)
+        # Transferring: the transfer going on, which no role acts on; waking the scheduler
+        # for it would only take the GIL from the threads doing the transfer.
+        assert s.advance(KVPoll.Transferring)
         assert not readable(wake)
         s.doom("gone")
         assert wake.drain() == 1
@@ -100,10 +104,11 @@ def test_scheduler_wait_ends_on_a_transfer_state_change(pull):
     wake = Wake()
     try:
         status = RoomStatus(wake)
-        assert not wait_input(sock, wake.fileno(), 200)  # nothing happened: full period
+        wait = InputWait(sock, wake.fileno())  # one poller for every wait, as the loop's
+        assert not wait(200)  # nothing happened: full period
         threading.Timer(0.2, lambda: status.advance(KVPoll.Success)).start()
         t0 = time.monotonic()
-        assert wait_input(sock, wake.fileno(), int(LONG_S * 1000))
+        assert wait(int(LONG_S * 1000))
         assert time.monotonic() - t0 < EARLY_S
         assert status.state == KVPoll.Success
     finally:
@@ -119,7 +124,7 @@ def test_scheduler_wait_still_ends_on_a_message(pull):
     try:
         threading.Timer(0.2, lambda: push.send(b"x")).start()
         t0 = time.monotonic()
-        assert wait_input(sock, wake.fileno(), int(LONG_S * 1000))
+        assert InputWait(sock, wake.fileno())(int(LONG_S * 1000))
         assert time.monotonic() - t0 < EARLY_S
         assert sock.recv(zmq.NOBLOCK) == b"x"
     finally:
@@ -151,7 +156,7 @@ def test_service_receive_waits_on_the_role_wake_fd_and_drains_it(pull, monkeypat
     wake = Wake()
     try:
         svc = scheduler_process.SchedulerService.__new__(scheduler_process.SchedulerService)
-        svc.recv, svc.engine = sock, _Engine(_Role(wake))
+        svc.recv, svc.engine, svc._wait = sock, _Engine(_Role(wake)), None
         threading.Timer(0.2, wake.notify).start()
         t0 = time.monotonic()
         svc._receive(timeout_ms=scheduler_process.TRANSFER_POLL_MS, wake=True)

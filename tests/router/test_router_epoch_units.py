@@ -40,6 +40,9 @@ def test_a_registry_that_forgot_everything_keeps_the_table_for_one_ttl(monkeypat
 
 
 class _Client:
+    cache_ttl_s = stale_ok_s = 0.0  # no cache: every lookup asks
+    unreachable_since = None
+
     def __init__(self) -> None:
         self.epoch, self.answer = "e1", None
 
