@@ -10,9 +10,12 @@ import platform
 # row sits in the tile, which the batch-invariance tests of the Triton kernels would read as
 # a kernel bug. Its AVX kernel (Sandybridge, runs on every x86-64 CPU with AVX) computes each
 # row alone. Set before numpy loads (torch loads it); the nodes the tests start inherit it.
+# Set, not defaulted: some machine images export their own choice for the whole system
+# (OPENBLAS_CORETYPE=Haswell on a Zen 5 host, which OpenBLAS does not know), and that
+# kernel is one of the row-position-dependent ones.
 # tests/kernels/test_triton_attention.py checks that numpy's matmul is row-position exact.
 if platform.machine() in ("x86_64", "AMD64"):
-    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
