@@ -208,12 +208,12 @@ class DecodeRole(TransferRole):
 
 
 
-def _trace_receive(trace: Timeline, receiver: object) -> None:
+def _trace_receive(trace: Timeline, receiver: KVReceiver | TPReceiver) -> None:
     """"decode receive": from asking the prefill for the KV to the transfer thread seeing
-    the last write (a TP receiver has no such time: now); "decode commit": from then to
-    this scheduler step picking it up (the loop polls transfers every few ms)."""
+    the last write (rank 0's with TP); "decode commit": from then to this scheduler step
+    picking it up (the loop polls transfers every few ms)."""
     seen = trace.mark("kv_seen")
-    done = getattr(receiver, "finished_at", None)
+    done = receiver.finished_at
     arrived = min(Timeline.wall_ns(done), seen) if done is not None else seen
     trace.span("decode receive", trace.marks.get("kv_wait", seen), arrived)
     trace.span("decode commit", arrived, seen)

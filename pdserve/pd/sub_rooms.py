@@ -100,8 +100,14 @@ class SubRooms:
     @property
     def jobs_done_at(self) -> list[float]:
         """Senders: when each send() so far was written by every sub-sender."""
-        done = [h.jobs_done_at for h in self.handles]
-        return [max(ts) for ts in zip(*done, strict=False)] if done else []
+        return [max(ts) for ts in zip(*(h.jobs_done_at for h in self.handles), strict=False)]
+
+    @property
+    def finished_at(self) -> float | None:
+        """Receivers: when the last sub-receiver reached Success (time.monotonic()); None
+        before all did (or with nothing to receive)."""
+        times = [h.finished_at for h in self.handles]
+        return None if not times or None in times else max(times)
 
     def metadata(self) -> list[bytes]:
         """Every sub-transfer wrote the same row into our one metadata slot."""

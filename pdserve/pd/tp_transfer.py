@@ -176,6 +176,11 @@ class TPReceiver(_TPRoom):
         return min(s for s, _, _ in ranks if s != KVPoll.Failed and not s.terminal)
 
     @property
+    def finished_at(self) -> float | None:
+        """Rank 0's (the trace's "decode receive" end; other ranks report states only)."""
+        return self.local.finished_at
+
+    @property
     def doomed(self) -> bool:
         """Failed for the request while a rank's pages may still be written."""
         ranks = self._ranks()

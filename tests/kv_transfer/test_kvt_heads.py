@@ -139,3 +139,29 @@ def test_every_split_covers_each_decode_head_once_with_distinct_sub_rooms():
                     for rank in range(max(p, d)):
                         ids = [sub_room(7, r) for r in runs if getattr(r, side) == rank]
                         assert len(ids) == len(set(ids)), (hkv, p, d, side, rank)
+
+
+class _Times:
+    """A sub-sender's / sub-receiver's trace times (all SubRooms reads of them here)."""
+
+    def __init__(self, accepted_at=None, jobs_done_at=(), finished_at=None) -> None:
+        self.accepted_at, self.finished_at = accepted_at, finished_at
+        self.jobs_done_at = list(jobs_done_at)
+
+
+def test_sub_rooms_report_trace_times_once_every_share_has_them():
+    """A TP room's trace times (prefill bootstrap end, each KV send's end, the decode's
+    receive end) are those of its last share; none until every share has one."""
+    from pdserve.pd.sub_rooms import SubRooms
+
+    senders = SubRooms([_Times(1.0, [2.0, 5.0]), _Times(None, [3.0])], decode=False)
+    assert senders.accepted_at is None  # one decode rank has not asked yet
+    assert senders.jobs_done_at == [3.0]  # the second send is not written everywhere
+    senders.handles[1].accepted_at = 1.5
+    senders.handles[1].jobs_done_at.append(4.0)
+    assert senders.accepted_at == 1.5 and senders.jobs_done_at == [3.0, 5.0]
+    receivers = SubRooms([_Times(finished_at=7.0), _Times()], decode=True)
+    assert receivers.finished_at is None
+    receivers.handles[1].finished_at = 6.0
+    assert receivers.finished_at == 7.0
+    assert SubRooms([], decode=True).finished_at is None  # nothing to receive
