@@ -40,7 +40,7 @@ _MAX_RETIRED = 4
 POLL_MAX_ENTRIES = 128  # batches up to this size are polled, not spun on (module doc)
 _YIELDS = 8  # polls answered by sched_yield before the waits become sleeps
 _POLL_SLEEP_S = 50e-6
-_NO_BATCH = (0, -1, 2**64 - 1)  # transfer_submit_write's failure answers (uint64 -1)
+_NO_BATCH = (0, -1, 2**64 - 1)  # no batch: its failure answer (uint64 -1) or a null id
 
 
 def set_mooncake_env(config: KVTransferConfig | None = None) -> None:
