@@ -8,6 +8,7 @@ both legs.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -196,14 +197,23 @@ class Flow:
 
     async def _bounded(self, awaitable):
         remaining = self.deadline - time.perf_counter()
+        if remaining <= 0:
+            # asyncio.timeout fires only at a suspension; an awaitable that completes at
+            # once (a leg queue with events waiting: a stream faster than its reader)
+            # would let the request run past its deadline to the end.
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()  # never started: closing it avoids "never awaited"
+            raise self._timed_out()
         try:
             # Not wait_for: on Python 3.11 it drops a cancellation that lands as the
             # awaitable completes, and a flow whose client left would then read on.
             async with asyncio.timeout(max(remaining, 0.001)):
                 return await awaitable
         except TimeoutError:
-            raise ApiError(408, f"request timed out after {self.timeout_s:g}s",
-                           "timeout") from None
+            raise self._timed_out() from None
+
+    def _timed_out(self) -> ApiError:
+        return ApiError(408, f"request timed out after {self.timeout_s:g}s", "timeout")
 
     def _observe(self, event: Event) -> None:
         if self.first_token_at is None and event.output_ids:

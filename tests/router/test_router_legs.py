@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -395,3 +396,43 @@ class SilentAfter(httpx.AsyncByteStream):
         yield f"data: {json.dumps(self.event)}\n\n".encode()
         await asyncio.sleep(3600)
         yield b""
+
+
+def test_the_request_timeout_holds_while_events_wait_in_the_queue():
+    """A decode stream faster than its reader leaves events queued, and a queued event is
+    read without a suspension, where asyncio.timeout never fires: the request ran on past
+    --request-timeout-s to its end (a 200 after the deadline). Once the deadline has
+    passed, the next read is the 408, however many events wait."""
+    n = 50
+    events = [{**GOOD_EVENT, "output_ids": [5 + i], "meta_info": {
+        **GOOD_EVENT["meta_info"], "completion_tokens": i + 1,
+        "finish_reason": "length" if i == n - 1 else None}} for i in range(n)]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    def handler(request):
+        if role_of(request) == "prefill":
+            return httpx.Response(200, json=GOOD_EVENT)
+        return httpx.Response(200, content=body.encode())
+
+    async def go():
+        flow, admission, _, watcher = make(handler)
+        got: list = []
+        try:
+            await flow.start()
+            async for ev in flow.events():
+                got.append(ev)
+                if len(got) == 1:
+                    assert flow.opened is not None
+                    while flow.opened.legs.queue.qsize() < 10:  # the reader falls behind
+                        await asyncio.sleep(0.01)
+                    flow.deadline = time.perf_counter() - 1  # and its time is up
+        finally:
+            flow.close()
+            await flow.dispatcher.http.aclose()
+            watcher.close()
+        return got, admission
+
+    got, admission = asyncio.run(asyncio.wait_for(go(), BOUND_S))
+    assert len(got) == 2, got
+    assert isinstance(got[1], ApiError) and got[1].status == 408 and got[1].code == "timeout"
+    assert admission.running == 0

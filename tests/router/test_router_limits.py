@@ -86,8 +86,8 @@ def test_queue_full_429_queue_timeout_408_request_timeout_408(stack, tight_route
 
     def error(name: str, status: int, code: str) -> float:
         r, t0, t1 = res[name]
-        assert r.status_code == status, (name, r.text)
-        assert r.json()["error"]["code"] == code, (name, r.text)
+        assert r.status_code == status, (name, r.text[:300], runs)
+        assert r.json()["error"]["code"] == code, (name, r.text[:300], runs)
         return t1 - t0
 
     # The codes say whose limit it was; no limit fired early; and (apart from the verdict)
