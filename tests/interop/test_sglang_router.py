@@ -17,6 +17,8 @@ SGLang's router"):
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -279,11 +281,19 @@ def test_kill9_prefill_mid_request_through_the_router(cluster, own_prefill):
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 120  # until the decode waits for KV of some request
-    while decode.stats().get("role", {}).get("transfer_queue", 0) < 1:
+    # Until the decode waits for KV of some request. The look is taken while the prefill is
+    # paused (SIGSTOP, its whole group), so it cannot finish that transfer between the look
+    # and the kill: on a fast machine all six used to finish in that gap.
+    deadline = time.monotonic() + 120
+    while True:
+        os.killpg(prefill.proc.pid, signal.SIGSTOP)
+        role = decode.stats().get("role", {})
+        if role.get("transfer_queue", 0) + role.get("prealloc_queue", 0) >= 1:
+            break
+        os.killpg(prefill.proc.pid, signal.SIGCONT)
         assert time.monotonic() < deadline, decode.info()
-        time.sleep(0.05)
-    prefill.kill9()
+        time.sleep(0.01)
+    prefill.kill9()  # SIGKILL ends a stopped process too
     t_kill = time.monotonic()
     for t in threads:
         t.join(KILL_BOUND_S + 60)
