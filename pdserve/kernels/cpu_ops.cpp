@@ -216,6 +216,11 @@ bool decode_bf16_serves(int64_t H, int64_t Hkv, int64_t D);
 void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                            const at::Tensor& table, const at::Tensor& lens, at::Tensor& out,
                            int64_t page_size, double scale);
+// decode_avx2.cpp: the AVX2 decode kernel (builds without AVX-512), float32 and bf16
+bool decode_avx2_serves(int64_t H, int64_t Hkv, int64_t D);
+void decode_attention_avx2(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                           const at::Tensor& table, const at::Tensor& lens, at::Tensor& out,
+                           int64_t page_size, double scale);
 
 namespace {
 
@@ -349,6 +354,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
   if (q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16 &&
       decode_bf16_serves(q.size(1), k_buf.size(1), q.size(2))) {
     decode_attention_bf16(q, k_buf, v_buf, table, lens, out, page_size, scale);
+    return out;
+  }
+  const auto dt = q.scalar_type();
+  if ((dt == at::kFloat || dt == at::kBFloat16) && k_buf.scalar_type() == dt &&
+      decode_avx2_serves(q.size(1), k_buf.size(1), q.size(2))) {
+    decode_attention_avx2(q, k_buf, v_buf, table, lens, out, page_size, scale);
     return out;
   }
   PD_DISPATCH(q.scalar_type(), "decode_attention", [&] {
