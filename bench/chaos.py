@@ -105,11 +105,28 @@ async def early_victim(cluster: Cluster, rng: random.Random,
     return None, burst
 
 
+async def ready_victim(cluster: Cluster, role: str, rng: random.Random, stop: asyncio.Event,
+                       wait_s: float) -> Member | None:
+    """pick_victim, waiting up to `wait_s` (or until `stop`) for a restarted node to be
+    ready again: on a slow machine a restart takes longer than the fault interval."""
+    deadline = time.monotonic() + wait_s
+    while (victim := await asyncio.to_thread(pick_victim, cluster, role, rng)) is None:
+        if stop.is_set() or time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.5)
+    return victim
+
+
 async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: asyncio.Event,
-                 log: Counter, kinds: list[str], outcomes: list[Outcome]) -> None:
+                 log: Counter, kinds: list[str], outcomes: list[Outcome],
+                 played: asyncio.Event) -> None:
+    """Inject faults until `stop`: `kinds` in order first, then at random; `played` is set
+    once each of the first pass was injected or skipped for good."""
     i, pending = 0, []
     retry: list[str] = []  # a kind skipped once (no victim yet): tried again next time
     while not stop.is_set():
+        if i >= len(kinds) and not retry:
+            played.set()
         await asyncio.sleep(interval_s * rng.uniform(0.6, 1.4))
         if stop.is_set():
             break
@@ -126,7 +143,7 @@ async def faults(cluster: Cluster, rng: random.Random, interval_s: float, stop: 
         else:
             role = {"kill_prefill": "prefill", "kill_decode": "decode"}.get(kind) \
                 or rng.choice(["prefill", "decode"])  # pause_node: either role
-            victim = await asyncio.to_thread(pick_victim, cluster, role, rng)
+            victim = await ready_victim(cluster, role, rng, stop, interval_s)
         if victim is None:
             # On a loaded machine a restarted node may not be back yet, or a burst already
             # served: once more at the next fault, so a short run still injects each kind.
@@ -212,9 +229,15 @@ async def soak(cluster: Cluster, args) -> tuple[list[Outcome], Counter]:
     stop_load, stop_faults = asyncio.Event(), asyncio.Event()
     loader = asyncio.create_task(load(cluster.router, args.workers, stop_load,
                                       random.Random(args.seed + 1), outcomes))
+    played = asyncio.Event()
     chaos = asyncio.create_task(faults(cluster, rng, args.fault_interval_s, stop_faults,
-                                       fault_log, args.faults, outcomes))
+                                       fault_log, args.faults, outcomes, played))
     await asyncio.sleep(args.minutes * 60)
+    # A short run on a slow machine (restarts of tens of seconds) goes on until the first
+    # pass of the schedule was played, within a bound.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(played.wait(),
+                               timeout=2 * args.fault_interval_s * len(args.faults))
     stop_faults.set()
     await chaos
     for m in cluster.members.values():  # every member back before the load ends
