@@ -251,7 +251,9 @@ async def soak(cluster: Cluster, args) -> tuple[list[Outcome], Counter]:
 
 def main() -> int:
     p = base_parser(__doc__.split("\n")[0])
-    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="length of the load; the run goes on until each fault kind in "
+                        "--faults was played once (at most two fault intervals per kind more)")
     p.add_argument("--fault-interval-s", type=float, default=20.0)
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
