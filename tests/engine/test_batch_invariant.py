@@ -141,7 +141,7 @@ def test_tensor_parallel_with_the_flag_is_refused():
         EngineConfig(tp_size=2, enable_deterministic_inference=True)
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", SMOLLM])
+@pytest.mark.parametrize("model", ["tiny-llama", SMOLLM_HEAVY])
 def test_a_cache_hit_and_a_continuation_give_the_same_bits(model):
     """A prompt served from the prefix cache, and prompt + k generated tokens sent again (what
     a router migration does: the k tokens' KV is recomputed as prompt rows) continue with
