@@ -38,7 +38,6 @@ LONGEST_FIRST = (
     "tests/router/test_hicache_storage_stack.py",  # 95
     "tests/router/test_router_registry_outage.py",  # 95
     "tests/pd/test_pd_tp.py",  # 85
-    "tests/pd/test_pd_deterministic.py",  # 85 without avx512_bf16
     "tests/engine/test_engine_greedy_hf.py",  # 80
     "tests/engine/test_triton_batch_invariant.py",  # 80
 )
