@@ -13,7 +13,7 @@
 #
 # Two stages. `build` has the compiler: it installs torch and pdserve into /opt/venv and
 # compiles the fused CPU kernels once per x86 ISA level (KERNEL_LEVELS: avx2, avx512,
-# avx512_bf16, or all; empty for none), into the installed package. The final stage copies
+# avx512_bf16, amx, or all; empty for none), into the installed package. The final stage copies
 # that venv onto the base with the runtime libraries only; a node loads the highest level its
 # CPU runs (pdserve/kernels/prebuilt.py; /server_info: engine.kernels_build), so a pod runs
 # the kernels the benchmarks measured without a compiler.

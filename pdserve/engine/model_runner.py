@@ -45,8 +45,13 @@ class ModelRunner:
         if self._one_group:
             return {"decode": "batch-invariant (as one-token prompt rows)",
                     "prompt": "batch-invariant"}
-        return {"decode": "paged kernel" if self._paged_decode else "sdpa (gathered pages)",
-                "prompt": "paged kernel" if self._paged_extend else "sdpa"}
+        paths = {"decode": "paged kernel" if self._paged_decode else "sdpa (gathered pages)",
+                 "prompt": "paged kernel" if self._paged_extend else "sdpa"}
+        products = getattr(getattr(self.model, "ops", None), "extend_products", None)
+        if self._paged_extend and products is not None:  # the CPU kernel: AMX or AVX512-BF16
+            paths["prompt_products"] = products(
+                self.model.model.decoder_layers[0].self_attn.head_dim)
+        return paths
 
     def graphs_info(self) -> dict:
         if self.graphs is None:

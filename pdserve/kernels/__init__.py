@@ -1,8 +1,9 @@
 """Builds and loads pdserve's fused CPU kernels (cpu_ops.cpp) as a torch C++ extension.
 
 The extension (cpu_ops.cpp with its bindings; extend_attention.cpp and decode_bf16.cpp, the
-AVX512-BF16 attention kernels; decode_avx2.cpp, decode attention on AVX2 without AVX-512; the
-helpers in vec.h) comes from one of two places, in order:
+AVX512-BF16 attention kernels, the prompt one on AMX tiles where the CPU has AMX (amx.h);
+decode_avx2.cpp, decode attention on AVX2 without AVX-512; the helpers in vec.h) comes from
+one of two places, in order:
 1. a build made ahead of time for an ISA level this CPU runs (pdserve/kernels/prebuilt.py:
    an image's builder stage makes them, so pods need no compiler);
 2. a build made here with `-march=native`, once per source, torch version, compiler, CPU

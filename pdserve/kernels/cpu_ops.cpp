@@ -372,6 +372,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
 
 // extend_attention.cpp
 bool has_extend_attention();
+bool extend_attention_amx(int64_t head_dim);
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& kv_pages, const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& q_lens, int64_t page_size, double scale);
@@ -384,5 +385,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("small_linear", &small_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("has_extend_attention", &has_extend_attention);
+  m.def("extend_attention_amx", &extend_attention_amx);
   m.def("extend_attention", &extend_attention);
 }

@@ -20,6 +20,10 @@
 // packing would copy the context only to read it once: such rows build the same vectors
 // straight from the pool (`PoolKV`: a gather per K vector, an interleave per V vector) and
 // run the same instructions on them, hence the same bits.
+// Where the build has AMX, the OS grants it and D % 32 == 0, both products run on AMX tiles
+// instead (amx.h; `scores_amx`, `accumulate_amx`): the packed layouts above are the tiles'
+// operand layouts, rows are padded to 16, and in-place rows first build the same blocks, so
+// the invariance above holds there too (with other bits than the VDPBF16PS path).
 //
 // Shapes: T tokens, H / Hkv query / KV heads (G = H / Hkv), D head dim (% 16 == 0, <= 256),
 // B requests, P pages per request, ps page size; pools [slots, Hkv, D].
@@ -28,6 +32,7 @@
 
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -105,6 +110,9 @@ struct PackedKV {
   __m512i vvec(int64_t kb, int64_t jp, int64_t cc) const {
     return _mm512_loadu_si512(v + kb * kBK * D + (jp * D + cc * 16) * 2);
   }
+  // Block kb whole, for AMX: K [4][D / 2][16][2] and V [kBK / 2][D][2], read in place.
+  const uint16_t* kblock(int64_t kb, std::vector<uint16_t>&) const { return k + kb * kBK * D; }
+  const uint16_t* vblock(int64_t kb, std::vector<uint16_t>&) const { return v + kb * kBK * D; }
 };
 
 // The same vectors built from the pool in place; keys past the context read as 0, like the
@@ -135,6 +143,21 @@ struct PoolKV {
     return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), mix,
                                      _mm512_castsi256_si512(b));
   }
+  // Block kb whole in PackedKV's layouts, built in `buf` from the vectors above.
+  const uint16_t* kblock(int64_t kb, std::vector<uint16_t>& buf) const {
+    buf.resize(kBK * D);
+    for (int c = 0; c < 4; ++c)
+      for (int64_t pr = 0; pr < D / 2; ++pr)
+        _mm512_storeu_si512(buf.data() + (c * (D / 2) + pr) * 32, kvec(kb, c, pr));
+    return buf.data();
+  }
+  const uint16_t* vblock(int64_t kb, std::vector<uint16_t>& buf) const {
+    buf.resize(kBK * D);
+    for (int64_t jp = 0; jp < kBK / 2; ++jp)
+      for (int64_t cc = 0; cc < D / 16; ++cc)
+        _mm512_storeu_si512(buf.data() + (jp * D + cc * 16) * 2, vvec(kb, jp, cc));
+    return buf.data();
+  }
 };
 
 // Row offsets of a context's keys for PoolKV (in 32-bit units: slot * tok + off is even).
@@ -143,6 +166,16 @@ void key_rows(const int64_t* pages, int64_t len, int64_t ps, int64_t tok, int64_
   at.assign((len + kBK - 1) / kBK * kBK + 2, -1);  // +2: vvec's pair past an odd end
   for (int64_t j = 0; j < len; ++j)
     at[j] = static_cast<int32_t>((pages[j / ps] * ps * tok + (j % ps) * tok + off) / 2);
+}
+
+// Whether a head dim of D runs on AMX tiles here: built with AMX, granted by the OS, D % 32.
+bool use_amx(int64_t D) {
+#if defined(PDSERVE_AMX)
+  return D % 32 == 0 && amx::ready();
+#else
+  (void)D;
+  return false;
+#endif
 }
 
 struct Tile {  // kBQ tokens of one request x the G heads of one KV head
@@ -158,6 +191,7 @@ struct Scratch {
   std::vector<float> m, l16, alpha;  // per row: running max, running sum (16 lanes)
   std::vector<int64_t> last;         // per row: its last visible key (-1: a padding row)
   std::vector<int32_t> at;           // PoolKV's key rows
+  std::vector<uint16_t> kblk, vblk;  // PoolKV's block for the AMX products
 };
 
 // s[r][0..kBK) = scale * q_r . k_j for the keys of block kb, kR rows at a time.
@@ -265,10 +299,43 @@ void accumulate(Scratch& w, const KV& src, int64_t kb, int64_t rows, int64_t D,
     }
 }
 
+#if defined(PDSERVE_AMX)
+// The AMX forms of scores() and accumulate(): rows a multiple of 16, D of 32.
+template <class KV>
+void scores_amx(Scratch& w, const KV& src, int64_t kb, int64_t rows, int64_t D, float scale) {
+  const uint16_t* k = src.kblock(kb, w.kblk);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    amx::scores16(w.q.data() + r0 * D, D, k, w.s.data() + r0 * kBK, kBK);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < rows * kBK; i += 16)
+    _mm512_storeu_ps(w.s.data() + i, _mm512_mul_ps(_mm512_loadu_ps(w.s.data() + i), sc));
+}
+
+// Key halves past the last visible one are skipped: their probabilities are exact zeros,
+// which would add nothing.
+template <class KV>
+void accumulate_amx(Scratch& w, const KV& src, int64_t kb, int64_t rows, int64_t D,
+                    int64_t pairs) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 a = _mm512_set1_ps(w.alpha[r]);
+    float* o = w.o.data() + r * D;
+    for (int64_t c = 0; c < D; c += 16)
+      _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), a));
+  }
+  const uint16_t* v = src.vblock(kb, w.vblk);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    amx::accumulate16(w.p.data() + r0 * kBK, kBK, v, D, pairs > 16 ? 2 : 1,
+                      w.o.data() + r0 * D);
+}
+#endif
+
+// `amx`: the products on AMX tiles (rows padded to 16) instead of VDPBF16PS.
 template <class KV>
 void run_tile(const Tile& t, const KV& src, const bf16* qp, int64_t qrow, int64_t G,
-              int64_t D, int64_t start, float scale, bf16* op, int64_t orow, Scratch& w) {
-  const int64_t rows = (t.i1 - t.i0) * G, rpad = (rows + kR - 1) / kR * kR;
+              int64_t D, int64_t start, float scale, bf16* op, int64_t orow, Scratch& w,
+              bool amx) {
+  const int64_t pad = amx ? 16 : kR;
+  const int64_t rows = (t.i1 - t.i0) * G, rpad = (rows + pad - 1) / pad * pad;
   w.q.assign(rpad * D, 0);
   w.s.resize(rpad * kBK);
   w.p.assign(rpad * kBK, 0);
@@ -284,12 +351,20 @@ void run_tile(const Tile& t, const KV& src, const bf16* qp, int64_t qrow, int64_
   const int64_t last_key = start + t.i1 - 1;
   for (int64_t kb = 0; kb * kBK <= last_key; ++kb) {
     const int64_t k0 = kb * kBK;
-    scores(w, src, kb, rpad, D, scale, w.s.data());
+#if defined(PDSERVE_AMX)
+    if (amx) scores_amx(w, src, kb, rpad, D, scale);
+    else
+#endif
+      scores(w, src, kb, rpad, D, scale, w.s.data());
     for (int64_t r = 0; r < rpad; r += kR)
       softmax_rows(w.s.data() + r * kBK, k0, w.last.data() + r, w.m.data() + r,
                    w.l16.data() + r * 16, w.alpha.data() + r, w.p.data() + r * kBK);
     const int64_t pairs = (std::min(kBK, last_key - k0 + 1) + 1) / 2;
-    accumulate(w, src, kb, rpad, D, pairs);
+#if defined(PDSERVE_AMX)
+    if (amx) accumulate_amx(w, src, kb, rpad, D, pairs);
+    else
+#endif
+      accumulate(w, src, kb, rpad, D, pairs);
   }
   for (int64_t r = 0; r < rows; ++r) {
     bf16* o = op + (t.i0 + r / G) * orow + (t.hk * G + r % G) * D;
@@ -331,9 +406,13 @@ void extend_impl(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& 
   auto* op = out.data_ptr<bf16>();
   const int64_t n = static_cast<int64_t>(tiles.size());
   const float sc = static_cast<float>(scale);
+  const bool amx = use_amx(D);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch w;
+#if defined(PDSERVE_AMX)
+    if (amx) amx::configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t x = 0; x < n; ++x) {
       const Tile& t = tiles[x];
@@ -344,13 +423,16 @@ void extend_impl(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& 
         const PoolKV src{reinterpret_cast<const int32_t*>(kbuf.data_ptr<bf16>()),
                          reinterpret_cast<const uint16_t*>(vbuf.data_ptr<bf16>()),
                          w.at.data(), D};
-        run_tile(t, src, qt, q.stride(0), G, D, starts[t.b], sc, ot, H * D, w);
+        run_tile(t, src, qt, q.stride(0), G, D, starts[t.b], sc, ot, H * D, w, amx);
       } else {
         const Packed& pk = packed[t.b * Hkv + t.hk];
         run_tile(t, PackedKV{pk.k.data(), pk.v.data(), D}, qt, q.stride(0), G, D, starts[t.b],
-                 sc, ot, H * D, w);
+                 sc, ot, H * D, w, amx);
       }
     }
+#if defined(PDSERVE_AMX)
+    if (amx) amx::release();
+#endif
   }
 }
 #endif
@@ -361,6 +443,16 @@ bool has_extend_attention() {
 #if defined(__AVX512BF16__)
   return true;
 #else
+  return false;
+#endif
+}
+
+// Whether extend_attention's products run on AMX tiles for this head dim (else VDPBF16PS).
+bool extend_attention_amx(int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return use_amx(head_dim);
+#else
+  (void)head_dim;
   return false;
 #endif
 }

@@ -5,8 +5,9 @@ use `-march=native`: it is compiled once per level below, and a node loads the h
 whose every instruction-set extension its CPU lists (`/proc/cpuinfo` flags). The levels follow
 the x86-64 micro-architecture levels GCC and Clang name (`x86-64-v3` = AVX2, `x86-64-v4` =
 AVX-512), plus AVX512-BF16, the extension the attention kernels' `__AVX512BF16__` paths use
-(Cooper Lake, Sapphire Rapids and later Xeons; AMD Zen 4 and later). AMX needs no level of its
-own: no kernel of ours issues AMX instructions; torch's GEMMs (oneDNN) pick AMX at run time.
+(Cooper Lake, Sapphire Rapids and later Xeons; AMD Zen 4 and later), plus AMX, whose tiles the
+prompt attention kernel multiplies on (Sapphire Rapids and later Xeons; `amx.h`). torch's
+GEMMs (oneDNN) pick AMX at run time whatever the level.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ LEVELS: tuple[IsaLevel, ...] = (
     IsaLevel("avx2", ("-march=x86-64-v3",), _V3),
     IsaLevel("avx512", ("-march=x86-64-v4",), _V4),
     IsaLevel("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 | {"avx512_bf16"}),
+    IsaLevel("amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+             _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
 )
 BY_NAME = {lv.name: lv for lv in LEVELS}
 

@@ -129,6 +129,11 @@ class NativeOps(TorchOps):
         return (dtype == torch.bfloat16 and self.m.has_extend_attention()
                 and head_dim % 16 == 0 and head_dim <= 256)
 
+    def extend_products(self, head_dim: int) -> str:
+        """What the prompt kernel multiplies on: AMX tiles where the build has them, the OS
+        grants them and head_dim % 32 == 0, else AVX512-BF16's VDPBF16PS."""
+        return "amx" if self.m.extend_attention_amx(head_dim) else "avx512_bf16"
+
     def extend_attention(self, q, k_buf, v_buf, kv_pages, starts, lens, page_size, scale):
         """q [T, H, D] (rows' new tokens, consecutive) -> [T, H*D]: causal attention over
         each row's whole context, read from the pool in place."""

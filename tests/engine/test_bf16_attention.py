@@ -12,20 +12,14 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import TINY_PROMPTS, get_llm, greedy, pool_problems, run_ids
 
+from pdserve.kernels.isa import cpu_flags
 from pdserve.models.ops import TorchOps
 
 PS = 16
 
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
-    except OSError:
-        return False
-
-
-HAS_BF16 = _cpu_has_avx512_bf16()
+HAS_BF16 = "avx512_bf16" in cpu_flags()
+# The kernel's products run on AMX tiles where the CPU has AMX (the build is -march=native).
+HAS_AMX = HAS_BF16 and {"amx_tile", "amx_bf16"} <= cpu_flags()
 needs_kernel = pytest.mark.skipif(not HAS_BF16, reason="CPU without AVX512-BF16: no kernel")
 
 
@@ -35,6 +29,13 @@ def test_kernel_is_built_exactly_where_the_cpu_has_avx512_bf16(native):
     assert not native.paged_extend(torch.float32, 9, 3, 64)  # float32 keeps SDPA
     assert not native.paged_extend(torch.bfloat16, 8, 8, 72)  # head_dim not a multiple of 16
     assert not TorchOps().paged_extend(torch.bfloat16, 9, 3, 64)
+
+
+@needs_kernel
+def test_products_run_on_amx_exactly_where_the_cpu_has_it(native):
+    assert native.extend_products(64) == ("amx" if HAS_AMX else "avx512_bf16")
+    assert native.extend_products(128) == native.extend_products(64)
+    assert native.extend_products(80) == "avx512_bf16"  # AMX tiles take 32 dims at a time
 
 
 def _case(h: int, hkv: int, d: int, rows: list[tuple[int, int]], seed: int = 0):
@@ -183,7 +184,9 @@ def test_bf16_engine_tokens_do_not_depend_on_chunk_size_or_loop():
     runs = {}
     for chunk, loop in [(512, "overlap"), (16, "overlap"), (16, "normal")]:
         llm = get_llm("tiny-llama", dtype="bfloat16", chunked_prefill_size=chunk, loop=loop)
-        assert llm.engine.describe()["attention"]["prompt"] == "paged kernel"
+        paths = llm.engine.describe()["attention"]
+        assert paths["prompt"] == "paged kernel"
+        assert paths["prompt_products"] == "avx512_bf16"  # head_dim 16: AMX takes 32 dims
         runs[(chunk, loop)] = run_ids(llm, prompts, params)
         assert not pool_problems(llm)
     first = runs[(512, "overlap")]

@@ -17,12 +17,14 @@ from pdserve.kernels.isa import BY_NAME, LEVELS, cpu_flags, is_x86, parse_levels
 
 AVX2_EPYC = BY_NAME["avx2"].needs | {"sse4_2", "avx_vnni"}          # Zen 2/3, no AVX-512
 SKYLAKE_X = BY_NAME["avx512"].needs | {"avx512_vnni"}
-SAPPHIRE_RAPIDS = BY_NAME["avx512_bf16"].needs | {"amx_tile", "amx_bf16"}
+ZEN4 = BY_NAME["avx512_bf16"].needs | {"avx512_vnni"}               # AVX512-BF16, no AMX
+SAPPHIRE_RAPIDS = BY_NAME["avx512_bf16"].needs | {"amx_tile", "amx_bf16", "amx_int8"}
 ALL = [lv.name for lv in LEVELS]
 
 
 @pytest.mark.parametrize(("flags", "want"), [
-    (AVX2_EPYC, "avx2"), (SKYLAKE_X, "avx512"), (SAPPHIRE_RAPIDS, "avx512_bf16"),
+    (AVX2_EPYC, "avx2"), (SKYLAKE_X, "avx512"), (ZEN4, "avx512_bf16"),
+    (SAPPHIRE_RAPIDS, "amx"),
     (frozenset({"sse4_2", "avx"}), None),   # an older x86: no level, a native build instead
     (frozenset(), None),                    # no /proc/cpuinfo flags (another architecture)
 ])
@@ -33,6 +35,8 @@ def test_the_highest_level_the_cpu_runs_is_picked(flags, want):
 
 def test_only_levels_that_were_built_are_picked():
     assert pick(SAPPHIRE_RAPIDS, ["avx2", "avx512"]).name == "avx512"
+    assert pick(SAPPHIRE_RAPIDS, ["avx512_bf16"]).name == "avx512_bf16"
+    assert pick(ZEN4, ["avx512_bf16", "amx"]).name == "avx512_bf16"
     assert pick(AVX2_EPYC, ["avx512", "avx512_bf16"]) is None
 
 
@@ -44,7 +48,7 @@ def test_only_x86_machines_have_levels():
 def test_levels_are_named_or_all():
     assert parse_levels(("all",)) == LEVELS
     assert [lv.name for lv in parse_levels(("avx512_bf16", "avx2"))] == ["avx2", "avx512_bf16"]
-    with pytest.raises(ValueError, match="known: avx2, avx512, avx512_bf16 or all"):
+    with pytest.raises(ValueError, match="known: avx2, avx512, avx512_bf16, amx or all"):
         parse_levels(("avx3",))
 
 
