@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import TINY_PROMPTS, get_llm, greedy, pool_problems, run_ids
 
-from pdserve.kernels.isa import cpu_flags
+from pdserve.kernels.isa import BY_NAME, cpu_flags
 from pdserve.models.ops import TorchOps
 
 PS = 16
 
-HAS_BF16 = "avx512_bf16" in cpu_flags()
-# The kernel's products run on AMX tiles where the CPU has AMX (the build is -march=native).
-HAS_AMX = HAS_BF16 and {"amx_tile", "amx_bf16"} <= cpu_flags()
+FLAGS = cpu_flags()
+HAS_BF16 = "avx512_bf16" in FLAGS
+# The kernel's products run on AMX tiles where the CPU runs the `amx` ISA level's code (the
+# build here is -march=native).
+HAS_AMX = BY_NAME["amx"].needs <= FLAGS
 needs_kernel = pytest.mark.skipif(not HAS_BF16, reason="CPU without AVX512-BF16: no kernel")
 
 
