@@ -6,10 +6,13 @@ decode_avx2.cpp, decode attention on AVX2 without AVX-512; the helpers in vec.h)
 one of two places, in order:
 1. a build made ahead of time for an ISA level this CPU runs (pdserve/kernels/prebuilt.py:
    an image's builder stage makes them, so pods need no compiler);
-2. a build made here with `-march=native`, once per source, torch version, compiler, CPU
-   kind and checkout, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache` by default;
-   `python -m pdserve.kernels` builds it ahead of time, scripts/setup.sh does). It needs a
-   C++ compiler and `ninja`. `-march=native` is safe because it runs where it was built.
+2. a build made here with `-march=native`, once per source, torch version, compiler and CPU
+   kind, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache` by default;
+   `python -m pdserve.kernels` builds it ahead of time, scripts/setup.sh does), shared by
+   every checkout and virtualenv of the same sources and torch. Making it needs a C++
+   compiler and `ninja`; loading it later imports the .so alone (a millisecond, where
+   torch's JIT loader spends most of a second asking ninja whether it is up to date).
+   `-march=native` is safe because it runs where it was built.
 Where neither works, `load_cpu_ops()` returns None with the reason in `build_error()`, and
 the model runs its torch reference ops instead (pdserve/models/ops.py). `build_id()` names
 the build in use (/server_info: `engine.kernels_build`).
@@ -22,7 +25,9 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -70,13 +75,13 @@ def sources_hash() -> str:
 
 
 def cache_dir() -> Path:
-    """One build folder per source text, torch version, compiler, CPU kind and checkout
-    (its name is the build's id in /server_info: `engine.kernels_build`). The checkout
-    counts because torch writes the sources' paths into build.ninja: two checkouts sharing
-    a folder would rebuild it in turn, and a process killed mid-build leaves torch's lock
-    file behind, on which every later load waits forever."""
+    """One build folder per source text, torch version, compiler and CPU kind (its name is
+    the build's id in /server_info: `engine.kernels_build`). It holds only the finished
+    `.so`: the build runs in a private folder beside it (see _build_native), so checkouts
+    and virtualenvs share the folder without rebuilding it in turn (torch writes their
+    paths into build.ninja) and a process killed mid-build leaves no lock file behind."""
     key = hashlib.sha256(sources_hash().encode() + torch.__version__.encode() + compiler()
-                         + _cpu_flags() + str(HERE.resolve()).encode()).hexdigest()[:12]
+                         + _cpu_flags()).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(cache) / "pdserve" / "kernels" / key
 
@@ -108,20 +113,46 @@ def _load_prebuilt() -> ModuleType | None:
 
 
 def _load_native(verbose: bool) -> ModuleType | None:
+    build = cache_dir()
+    name = f"pdserve_cpu_ops_{build.name}"
+    so = build / f"{name}.so"
     try:
-        from torch.utils import cpp_extension
-
-        build = cache_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=f"pdserve_cpu_ops_{build.name}", sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            build_directory=str(build), verbose=verbose)
+        module = _import_made(name, so) or _build_native(build, name, so, verbose)
     except Exception as exc:  # compiler, ninja or headers missing: fall back, say why
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip()[-400:]}"
         log.warning("fused CPU kernels unavailable, using torch ops: %s", _state["error"])
         return None
     _state["build"] = build.name
+    return module
+
+
+def _import_made(name: str, so: Path) -> ModuleType | None:
+    """The build made earlier, or None when there is none or it does not import (a
+    truncated file, say: it is built again and replaced)."""
+    if not so.exists():
+        return None
+    try:
+        return prebuilt.import_so(name, so)
+    except ImportError as exc:
+        log.warning("fused CPU kernels %s do not load (%s); building again", so, exc)
+        return None
+
+
+def _build_native(build: Path, name: str, so: Path, verbose: bool) -> ModuleType:
+    """Compile in a private folder inside `build` and import the result from there (torch's
+    JIT loader does both), then publish the .so at `so` with an atomic rename. Two processes
+    building at once both compile and publish the same bytes; neither waits on the other."""
+    from torch.utils import cpp_extension
+
+    build.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=build) as tmp:
+        module = cpp_extension.load(
+            name=name, sources=[str(p) for p in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            build_directory=tmp, verbose=verbose)
+        staged = Path(tmp, f"{name}.so.publish")
+        shutil.copy2(Path(tmp, f"{name}.so"), staged)
+        os.replace(staged, so)
     return module
 
 

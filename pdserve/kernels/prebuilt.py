@@ -116,10 +116,15 @@ def usable(sources_hash: str, root: Path = ROOT,
 
 
 def load(pre: Prebuilt) -> ModuleType:
-    """Import the extension from its file (torch is imported first: the .so links libtorch)."""
-    spec = importlib.util.spec_from_file_location(pre.path.stem, pre.path)
+    return import_so(pre.path.stem, pre.path)
+
+
+def import_so(name: str, path: Path) -> ModuleType:
+    """Import an extension module from its file (torch is imported first: the .so links
+    libtorch); `name` must be the one it was built under (its PyInit_ symbol)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {pre.path}")
+        raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
