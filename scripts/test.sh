@@ -24,7 +24,10 @@ else
 fi
 
 ruff check .
-mypy  # over every package, settings in pyproject.toml
+# mypy's incremental cache in the user's cache folder, like pip's and the kernels' builds:
+# a fresh clone then checks only what differs from the last check on this machine (~1 s
+# instead of ~45). The cache is keyed by file contents, so sharing it is safe.
+MYPY_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/pdserve/mypy" mypy  # settings in pyproject.toml
 # File order (reproducible); scripts/test_shuffled.sh runs the shuffled orders. `no:randomly`
 # keeps it so where pytest-randomly is installed, and is a no-op where it is not.
 # `-m "not slow"`: the long checks run in `bash scripts/slow_checks.sh` (README).
@@ -34,9 +37,3 @@ mypy  # over every package, settings in pyproject.toml
 # starts with the longest files (LONGEST_FIRST).
 python -m pytest -q -p no:randomly -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder \
     --durations=25 "$@"
-if [ "$#" -eq 0 ]; then
-    # The router/stack tests run over tcp above; their API part runs again over Mooncake,
-    # the product's default transfer backend (tests/router/router_harness.py: BACKEND).
-    PDSERVE_TEST_TRANSFER_BACKEND=mooncake python -m pytest -q -p no:cacheprovider -p no:randomly \
-        tests/router/test_router_api.py
-fi

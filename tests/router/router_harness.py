@@ -35,7 +35,8 @@ MODEL = "tiny-llama"
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240  # ~30 s on a quiet 2-core machine; loaded CI is slower
 # The KV backend of the test nodes: tcp works everywhere; PDSERVE_TEST_TRANSFER_BACKEND=
-# mooncake runs the same tests over Mooncake.
+# mooncake runs the same tests over Mooncake (test_router_api_mooncake.py runs the API tests
+# over Mooncake in any case).
 BACKEND = os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "tcp")
 _ROW = re.compile(r"^  (\S+)\s+(http://\S+)(?:\s+\(pid (\d+)\))?", re.M)
 _SERIAL = itertools.count(1)  # names the files of each router of this test process
@@ -76,12 +77,13 @@ def wait_until(predicate, timeout_s: float, what: str, interval: float = 0.2):
 class Up:
     """`pdserve up --model tiny-llama ...` as a subprocess; URLs and pids from its report."""
 
-    def __init__(self, log_dir: Path, prefill: int = 1, decode: int = 2, *flags: str) -> None:
+    def __init__(self, log_dir: Path, prefill: int = 1, decode: int = 2, *flags: str,
+                 backend: str = BACKEND) -> None:
         self.log_dir = log_dir
         self.port_file = log_dir / "up.port"  # the router's port, once the stack serves
         self.cmd = pdserve("up", "--model", MODEL, "--prefill", str(prefill), "--decode",
                            str(decode), "--port", "0", "--port-file", str(self.port_file),
-                           "--transfer-backend", BACKEND,
+                           "--transfer-backend", backend,
                            "--log-dir", str(log_dir / "children"),
                            "--node-args=" + " ".join(small_kv(MODEL)), *flags)
         self.out_path = log_dir / "up.out"
