@@ -20,6 +20,7 @@ the build in use (/server_info: `engine.kernels_build`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -28,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))  # one extension; the bindings are in cpu_ops.cpp
 _state: dict[str, object] = {}
+STALE_BUILD_S = 3600.0  # a private build folder this old was left by a killed build
 
 
 def _cpu_flags() -> bytes:
@@ -145,6 +148,10 @@ def _build_native(build: Path, name: str, so: Path, verbose: bool) -> ModuleType
     from torch.utils import cpp_extension
 
     build.mkdir(parents=True, exist_ok=True)
+    for stale in build.glob(".build-*"):  # a build killed mid-way (one takes minutes)
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=build) as tmp:
         module = cpp_extension.load(
             name=name, sources=[str(p) for p in SOURCES],

@@ -3,6 +3,8 @@ op, on random inputs; and the engine choosing them (`--kernels`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -197,3 +199,36 @@ def test_a_made_build_loads_without_the_jit_loader(native):
     files = json.loads(run.stdout.strip().splitlines()[-1])
     assert [f for f in files if not f.startswith(".build-")] == [
         f"pdserve_cpu_ops_{k.cache_dir().name}.so"], files
+
+
+def test_a_build_is_published_by_rename_and_clears_killed_builds(monkeypatch, tmp_path):
+    """The build runs in a private folder and only its .so is published (the compiler is
+    replaced here by a stand-in that writes the .so: the real one takes minutes); a private
+    folder a killed build left an hour ago is removed, a running build's is not."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as jit
+
+    import pdserve.kernels as k
+
+    build = tmp_path / "key"
+    build.mkdir()
+    killed, running = build / ".build-killed", build / ".build-running"
+    killed.mkdir()
+    running.mkdir()
+    old = time.time() - k.STALE_BUILD_S - 60
+    os.utime(killed, (old, old))
+    seen = {}
+
+    def compile_here(name, sources, build_directory, **_):
+        seen["dir"] = build_directory
+        (Path(build_directory) / f"{name}.so").write_bytes(b"built")
+        return "the module"
+
+    monkeypatch.setattr(jit, "load", compile_here)
+    so = build / "pdserve_cpu_ops_key.so"
+    assert k._build_native(build, "pdserve_cpu_ops_key", so, verbose=False) == "the module"
+    assert Path(seen["dir"]).parent == build and not Path(seen["dir"]).exists()
+    assert so.read_bytes() == b"built"
+    assert sorted(p.name for p in build.iterdir()) == [".build-running", so.name]
