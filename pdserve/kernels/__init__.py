@@ -6,8 +6,8 @@ decode_avx2.cpp, decode attention on AVX2 without AVX-512; the helpers in vec.h)
 one of two places, in order:
 1. a build made ahead of time for an ISA level this CPU runs (pdserve/kernels/prebuilt.py:
    an image's builder stage makes them, so pods need no compiler);
-2. a build made here with `-march=native`, once per source, torch version, compiler and CPU
-   kind, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache` by default;
+2. a build made here with `-march=native`, once per source, torch version, compiler, CPU
+   kind and Python ABI, into `$XDG_CACHE_HOME/pdserve/kernels/<hash>/` (`~/.cache` by default;
    `python -m pdserve.kernels` builds it ahead of time, scripts/setup.sh does), shared by
    every checkout and virtualenv of the same sources and torch. Making it needs a C++
    compiler and `ninja`; loading it later imports the .so alone (a millisecond, where
@@ -28,6 +28,8 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -77,14 +79,20 @@ def sources_hash() -> str:
     return hashlib.sha256(text).hexdigest()
 
 
+def _python_abi() -> bytes:
+    """The extension suffix (`.cpython-311-x86_64-linux-gnu.so`): a build links one Python's
+    ABI, and virtualenvs of two Pythons with the same torch version share the cache."""
+    return (sysconfig.get_config_var("EXT_SUFFIX") or sys.version).encode()
+
+
 def cache_dir() -> Path:
-    """One build folder per source text, torch version, compiler and CPU kind (its name is
-    the build's id in /server_info: `engine.kernels_build`). It holds only the finished
-    `.so`: the build runs in a private folder beside it (see _build_native), so checkouts
+    """One build folder per source text, torch version, compiler, CPU kind and Python ABI
+    (its name is the build's id in /server_info: `engine.kernels_build`). It holds only the
+    finished `.so`: the build runs in a private folder beside it (see _build_native), so checkouts
     and virtualenvs share the folder without rebuilding it in turn (torch writes their
     paths into build.ninja) and a process killed mid-build leaves no lock file behind."""
     key = hashlib.sha256(sources_hash().encode() + torch.__version__.encode() + compiler()
-                         + _cpu_flags()).hexdigest()[:12]
+                         + _cpu_flags() + _python_abi()).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(cache) / "pdserve" / "kernels" / key
 

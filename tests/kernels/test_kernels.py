@@ -148,10 +148,9 @@ def float32_or_native_bf16(native, dtype) -> bool:
 
 
 
-def test_kernel_cache_is_per_cpu_compiler_and_cache_home_not_per_checkout(monkeypatch,
-                                                                           tmp_path):
-    """Two CPU kinds (-march=native) or two compilers must not share a build folder; two
-    checkouts of the same sources do (the folder holds only the finished .so)."""
+def test_kernel_cache_is_per_cpu_compiler_python_not_per_checkout(monkeypatch, tmp_path):
+    """Two CPU kinds (-march=native), two compilers or two Pythons must not share a build
+    folder; two checkouts of the same sources do (the folder holds only the finished .so)."""
     import pdserve.kernels as k
 
     here = k.cache_dir()
@@ -165,7 +164,10 @@ def test_kernel_cache_is_per_cpu_compiler_and_cache_home_not_per_checkout(monkey
     assert avx2 != here.name
     assert k.compiler()  # e.g. b"c++ (Debian 12.2.0-14) 12.2.0"
     monkeypatch.setattr(k, "compiler", lambda: b"c++ (another) 99.0")
-    assert k.cache_dir().name not in (here.name, avx2)
+    other_cxx = k.cache_dir().name
+    assert other_cxx not in (here.name, avx2)
+    monkeypatch.setattr(k, "_python_abi", lambda: b".cpython-312-x86_64-linux-gnu.so")
+    assert k.cache_dir().name not in (here.name, avx2, other_cxx)
 
 
 LOAD_WITHOUT_JIT = """
