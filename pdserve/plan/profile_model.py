@@ -96,6 +96,15 @@ class Profile:
         d0, d1, d2 = self.decode_coef
         return d0 + d1 * batch + d2 * ctx_sum / 1e3 + self.step_overhead(pd)
 
+    def mixed_s(self, tokens: float, attn_pairs: float, batch: float, ctx_sum: float) -> float:
+        """An extend step that also carries `batch` decode rows (the engine's mixed batch):
+        each row is one more row of the extend's products (a prompt token's cost) plus its
+        attention over its context (the decode model's); the decode step's fixed part, the
+        weights' read, is the extend's already."""
+        _d0, _d1, d2 = self.decode_coef
+        return (self.extend_s(tokens, attn_pairs) + self.prefill_coef[1] * batch
+                + d2 * ctx_sum / 1e3)
+
     def step_overhead(self, pd: bool) -> float:
         """Per-step serving cost of a decode step on a PD decode node (`pd`) or else."""
         return self.pd_step_overhead_s if pd and self.pd_step_overhead_s is not None \

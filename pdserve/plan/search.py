@@ -103,7 +103,8 @@ def node_spec(prof: Profile) -> NodeSpec:
     return NodeSpec(page_size=prof.page_size, pool_pages=prof.kv_pool_tokens // prof.page_size,
                     chunk=int(e["chunked_prefill_size"]), budget=int(e["max_prefill_tokens"]),
                     max_running=int(e["max_running_requests"]),
-                    reserve_tokens=int(e["decode_reserve_tokens"]))
+                    reserve_tokens=int(e["decode_reserve_tokens"]),
+                    mix=not e["disable_mixed_batches"])
 
 
 def candidates(max_nodes: int, cost: dict[str, float], base: ClusterSpec) -> list[tuple]:

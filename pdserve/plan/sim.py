@@ -130,7 +130,12 @@ class Simulator:
         dur = 0.0
         if node.kind != "decode":
             tokens, attn = node.form_extend(self.isl, self.osl)
-            if node.rows:
+            node.mixed = bool(node.rows) and node.kind == "colocated" and node.spec.mix \
+                and bool(node.run)
+            if node.mixed:
+                b, ctx = node.decode_shape()
+                dur = self.prof.mixed_s(tokens, attn, b, ctx)
+            elif node.rows:
                 dur = self.prof.extend_s(tokens, attn)
         if not dur and node.run:
             b, ctx = node.decode_shape()
@@ -160,9 +165,11 @@ class Simulator:
     def _step_end(self, node: SimNode, t: float) -> None:
         node.busy = False
         self.machine_busy -= 1
-        if node.rows:
+        extended, mixed = bool(node.rows), node.mixed
+        node.mixed = False
+        if extended:
             self._extend_done(node, t)
-        else:
+        if not extended or mixed:  # a decode step, or the decode rows of a mixed one
             for rid in node.finish_decode():
                 self._finish(rid, t)
         self._kick(node, t)

@@ -12,7 +12,9 @@ decode role's pre-allocation (docs/architecture.md: Decode node):
   decode node) must fit in the pool;
 - decode node: pre-allocation in arrival order under the same rule, at most `max_running`
   requests between running and receiving; a request joins the batch at the step start
-  after its KV arrived.
+  after its KV arrived;
+- mixed batches (`mix`, the engine's default): a colocated node's extend batch also
+  carries a decode row of every running request, which gets its token at that step's end.
 Not modelled: retraction (the reservation makes it rare), the prefix cache (planning
 traffic has no shared prefixes), the overlap loop (CPU nodes run the normal loop).
 
@@ -42,6 +44,7 @@ class NodeSpec:
     budget: int = _ENGINE.max_prefill_tokens
     max_running: int = _ENGINE.max_running_requests
     reserve_tokens: int = _ENGINE.decode_reserve_tokens
+    mix: bool = not _ENGINE.disable_mixed_batches  # decode rows ride in extend batches
 
     def pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -50,7 +53,8 @@ class NodeSpec:
 class SimNode:
     __slots__ = ("idx", "kind", "spec", "machine", "waiting", "partial", "partial_pages",
                  "held", "run", "fin", "k", "S", "joining", "busy", "inflight", "prealloc",
-                 "receiving", "recv_reserve", "rows", "steps", "busy_s", "tx_free", "t_end")
+                 "receiving", "recv_reserve", "rows", "mixed", "steps", "busy_s", "tx_free",
+                 "t_end")
 
     def __init__(self, idx: int, kind: str, spec: NodeSpec, machine: int = 0) -> None:
         self.idx, self.kind, self.spec, self.machine = idx, kind, spec, machine
@@ -69,6 +73,7 @@ class SimNode:
         self.receiving = 0  # decode: requests whose KV is on its way
         self.recv_reserve = 0  # their prompt pages + decode reservations
         self.rows: list[tuple[int, int, int]] = []  # the batch in flight
+        self.mixed = False  # the extend batch in flight carries the running decode rows
         self.steps = 0
         self.busy_s = 0.0
         self.tx_free = 0.0  # prefill: when its (single) transfer thread is free

@@ -94,9 +94,26 @@ def test_kv_capacity_queues_then_room_batches_both():
     small = NodeSpec(page_size=1, pool_pages=250)
     r = run(ClusterSpec(colocated=1, node=small), work)
     assert r.ttft == pytest.approx([0.110, 0.300])
-    big = NodeSpec(page_size=1, pool_pages=1000)  # fits: prefilled right after the first
-    r = run(ClusterSpec(colocated=1, node=big), work)
-    assert r.ttft == pytest.approx([0.110, 0.220])
+    big = NodeSpec(page_size=1, pool_pages=1000)  # fits: prefilled right after the first,
+    r = run(ClusterSpec(colocated=1, node=big), work)  # with the first's decode row (+1 ms)
+    assert r.ttft == pytest.approx([0.110, 0.221])
+
+
+def test_a_mixed_batch_gives_the_running_requests_their_token():
+    """The engine's default: an extend batch carries a decode row of every running request
+    (a prompt token's cost each, plus its attention), which gets its token at that step's
+    end; with `--disable-mixed-batches` the running request waits out the prefill."""
+    work = wl([0.0, 0.05], [100, 100], [3, 2])
+    mixed = run(ClusterSpec(colocated=1), work)
+    # first: prefill 0.110; the second arrived, so the next step is mixed: 10 + 100 + 1 ms
+    # (both get a token at 0.221), then a decode step of both (0.241): the first's last
+    assert mixed.ttft == pytest.approx([0.110, 0.221 - 0.05])
+    assert mixed.e2e == pytest.approx([0.241, 0.241 - 0.05])
+    alone = run(ClusterSpec(colocated=1, node=NodeSpec(mix=False)), work)
+    # unmixed: the second's prefill (0.110-0.220) stalls the first, whose two decode
+    # steps come after it (0.240, the second's last too; 0.260)
+    assert alone.ttft == pytest.approx([0.110, 0.220 - 0.05])
+    assert alone.e2e == pytest.approx([0.260, 0.240 - 0.05])
 
 
 def test_decode_kv_capacity_holds_prefill_back():
