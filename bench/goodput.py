@@ -79,7 +79,8 @@ MODE_DEFAULTS: dict[str, tuple[Any, Any]] = {
 # still covering the quick workload's prompts, contexts and batches.
 LIGHT_PROFILE: dict[str, Any] = {
     "prompts": [32, 128, 256, 512], "batch_prompts": (4, 128), "decode_batches": [1, 4, 16],
-    "contexts": [64, 384], "decode_tokens": 8, "reps": 2, "transfer_sizes": [64, 512],
+    "contexts": [64, 384], "decode_tokens": 8, "decode_passes": 2, "reps": 2,
+    "transfer_sizes": [64, 512],
     "transfer_reps": 2, "contention_levels": 2, "contention_s": 1.0}
 PICK_TOL = 0.10  # the planner's pick is right when within 10 % of the measured best
 ERROR_GOAL_PCT = 20.0  # |planner - measured| / measured

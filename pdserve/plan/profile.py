@@ -3,7 +3,8 @@
 - extend (prefill) steps: single prompts of several lengths (chunked by the node's
   `--chunked-prefill-size`) and a batch of several prompts; every step's new tokens,
   attention pairs and wall time;
-- decode steps: batches of several sizes at two context lengths;
+- decode steps: batches of several sizes at two or three context lengths, every shape
+  in two passes (`measure_decode`);
 - KV transfer between two real processes (`profile_transfer.py`);
 - the KV pool's capacity at `--kv-cache-mb`;
 - the step's slowdown with other runnable threads beside it (`profile_contention.py`).
@@ -29,12 +30,13 @@ from pdserve.sampling_params import SamplingParams
 
 QUICK: dict[str, Any] = {"prompts": [32, 128, 384, 768, 1536], "batch_prompts": (4, 256),
          "decode_batches": [1, 4, 16, 32], "contexts": [64, 768], "decode_tokens": 12,
-         "reps": 3, "transfer_sizes": [64, 512, 2048], "transfer_reps": 3,
+         "decode_passes": 2, "reps": 3, "transfer_sizes": [64, 512, 2048], "transfer_reps": 3,
          "contention_levels": 2, "contention_s": 1.5}
 FULL: dict[str, Any] = {"prompts": [32, 128, 256, 512, 1024, 1536, 2047], "batch_prompts": (8, 256),
         "decode_batches": [1, 2, 4, 8, 16, 32, 64], "contexts": [64, 512, 1536],
-        "decode_tokens": 16, "reps": 3, "transfer_sizes": [64, 256, 1024, 4096],
-        "transfer_reps": 5, "contention_levels": 3, "contention_s": 3.0}
+        "decode_tokens": 16, "decode_passes": 2, "reps": 3,
+        "transfer_sizes": [64, 256, 1024, 4096], "transfer_reps": 5, "contention_levels": 3,
+        "contention_s": 3.0}
 
 
 class StepRecorder:
@@ -76,6 +78,24 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 1000) for _ in range(n)]
 
 
+def measure_decode(rec, rng: random.Random, plan: dict, max_running: int,
+                   limit: int) -> list[tuple]:
+    """Decode steps of every (context, batch) shape of `plan`, all shapes once per pass,
+    `decode_passes` passes. The fit keeps each shape's fastest step (`best_of`), but one
+    shape's steps all run within a second or two: a burst of other work then slows every
+    one of them (seen: a 4 x 770-token batch profiled at 63-80 ms, 33 ms when measured
+    again), and the fitted context cost doubled. A later pass measures that shape again."""
+    decode: list[tuple] = []
+    for _ in range(plan.get("decode_passes", 1)):
+        for ctx in plan["contexts"]:
+            for b in plan["decode_batches"]:
+                b = min(b, max_running)
+                pts = rec.run([_ids(rng, min(ctx, limit)) for _ in range(b)],
+                              plan["decode_tokens"], rng)
+                decode += [p for p in pts if p[0] == "decode" and p[3] == b][1:]
+    return decode
+
+
 def measure_engine(cfg: EngineConfig, plan: dict, log=print) -> tuple[dict, object]:
     from pdserve.engine.engine import Engine
 
@@ -94,13 +114,7 @@ def measure_engine(cfg: EngineConfig, plan: dict, log=print) -> tuple[dict, obje
         extend += [p for p in rec.run([_ids(rng, n) for _ in range(k)], 1, rng)
                    if p[0] == "extend"]
     log(f"  prefill: {len(extend)} extend steps measured")
-    decode = []
-    for ctx in plan["contexts"]:
-        for b in plan["decode_batches"]:
-            b = min(b, cfg.max_running_requests)
-            pts = rec.run([_ids(rng, min(ctx, limit)) for _ in range(b)],
-                          plan["decode_tokens"], rng)
-            decode += [p for p in pts if p[0] == "decode" and p[3] == b][1:]
+    decode = measure_decode(rec, rng, plan, cfg.max_running_requests, limit)
     log(f"  decode: {len(decode)} decode steps measured")
     slowdown = [1.0]
     if plan.get("contention_levels", 0):

@@ -60,3 +60,40 @@ def test_engine_steps_are_timed_on_the_normal_loop_whatever_the_nodes_loop():
                                           max_total_tokens=4096), plan, log=lambda *_: None)
     assert info["describe"]["loop"] == "normal"
     assert info["extend"] and info["decode"]
+
+
+def test_a_decode_shape_slowed_in_one_pass_is_fitted_from_the_other():
+    """`measure_decode` runs every shape in each pass; a shape whose steps were all slowed
+    by other work in the first pass keeps the second pass's time, and the context cost
+    fitted from them is the undisturbed one. (The recorder is a stand-in returning the
+    step shapes and times a real one would.)"""
+    import random
+
+    from pdserve.plan.profile import fit_steps, measure_decode
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def run(self, prompts, max_new, rng):
+            self.calls += 1
+            b, ctx = len(prompts), len(prompts[0])
+            # true step: 20 ms + 1 ms per row + 2 ms per 1k context tokens
+            t = 0.020 + 0.001 * b + 0.002 * b * ctx / 1e3
+            if self.calls == 4:  # first pass, 4 rows x 700 tokens: a burst doubles it
+                t *= 2
+            steps = [("extend", b * ctx, 0, b, 1.0)]
+            return steps + [("decode", b, b * (ctx + i), b, t) for i in range(max_new)]
+
+    plan = {"decode_batches": [1, 4], "contexts": [64, 700], "decode_tokens": 4}
+    rec = Recorder()
+    one = measure_decode(rec, random.Random(0), plan, 64, 4096)
+    assert rec.calls == 4 and len(one) == 4 * 3  # the first decode step of each run dropped
+    extend = [["extend", n, n * n, 1, 0.01 + n * 1e-4] for n in (32, 256, 1024)]
+    _, slowed = fit_steps({"extend": extend, "decode": [list(p) for p in one]})
+    rec = Recorder()
+    two = measure_decode(rec, random.Random(0), dict(plan, decode_passes=2), 64, 4096)
+    assert rec.calls == 8 and len(two) == 2 * len(one)
+    _, fitted = fit_steps({"extend": extend, "decode": [list(p) for p in two]})
+    assert fitted[2] == pytest.approx(0.002, rel=0.05)  # seconds per 1k context tokens
+    assert slowed[2] > 1.5 * fitted[2]  # one pass: the burst inflates the context cost
