@@ -14,7 +14,6 @@ spans, not one), so the overhead is taken untraced and the traced one is shown b
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -23,9 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
-from pd_vs_colocated import start, stop  # noqa: E402
+from pd_vs_colocated import bench_record, start, stop  # noqa: E402
 
-from pdserve.cli import main as pdserve_main  # noqa: E402
 from pdserve.loadtest.trace_breakdown import PATH, TO_CLIENT  # noqa: E402
 from pdserve.ports import free_port  # noqa: E402
 
@@ -51,12 +49,7 @@ def run_bench(url: str, label: str, out: Path, args, seed: int, receiver_port: i
             "--max-concurrency", "1", "--warmup-requests", "5"]
     if receiver_port:
         argv += ["--trace-breakdown", "--trace-receiver-port", str(receiver_port)]
-    before = len(out.read_text().splitlines()) if out.exists() else 0
-    pdserve_main(argv)
-    lines = out.read_text().splitlines()
-    if len(lines) <= before:
-        raise RuntimeError(f"bench wrote no result for {label}")
-    return json.loads(lines[-1])
+    return bench_record(argv, out, label)
 
 
 def hop_p50s(record: dict) -> dict[str, float]:

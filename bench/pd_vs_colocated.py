@@ -73,6 +73,12 @@ def bench(url: str, label: str, out: Path, args, low_load: bool) -> dict:
         argv += ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate),
                  "--burstiness", "0.3", "--random-input-len", str(args.input_len),
                  "--random-output-len", str(args.output_len)]
+    return bench_record(argv, out, label)
+
+
+def bench_record(argv: list[str], out: Path, label: str) -> dict:
+    """Run `pdserve bench` with `argv` (its --output-file is `out`) in this process; the
+    JSON record it appended."""
     before = len(out.read_text().splitlines()) if out.exists() else 0
     pdserve_main(argv)
     lines = out.read_text().splitlines()
