@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, print_table, write_json  # noqa: E402
 from pd_vs_colocated import bench_record, start, stop  # noqa: E402
 
-from pdserve.loadtest.trace_breakdown import PATH, TO_CLIENT  # noqa: E402
+from pdserve.loadtest.trace_breakdown import HOPS  # noqa: E402
 from pdserve.ports import free_port  # noqa: E402
 
 SYSTEMS = ("colocated", "disaggregated")
@@ -81,8 +81,7 @@ def summarize(rounds: list[dict[str, float]], traced: dict[str, dict] | None,
 
 def hop_rows(hops: dict[str, dict[str, float]]) -> list[dict]:
     """One row per hop, in the order a PD request passes them (colocated hops slot in)."""
-    order = [h for h, _, _ in PATH] + [TO_CLIENT]
-    order = [h for h in order if any(h in hops.get(s, {}) for s in SYSTEMS)]
+    order = [h for h in HOPS if any(h in hops.get(s, {}) for s in SYSTEMS)]
     return [{"hop": h, **{s: hops.get(s, {}).get(h) for s in SYSTEMS}} for h in order]
 
 

@@ -64,6 +64,7 @@ PATH = (
     ("decode first token", "decode first token", "end"),
 )
 TO_CLIENT = "to client"  # last hop: the first token's way out to the client
+HOPS = (*(hop for hop, _, _ in PATH), TO_CLIENT)  # every hop, in the order a request passes
 
 
 def _moment(spans: list[SpanRecord], name: str, end: str, before: int | None) -> int | None:
@@ -122,9 +123,8 @@ def breakdown(requests: list[TracedRequest], spans: dict[str, list[SpanRecord]])
             path[hop].append(ms)
         for name, ms in span_totals(mine).items():
             totals[name].append(ms)
-    order = [h for h, _, _ in PATH] + [TO_CLIENT]
     return {"requests": len(requests), "traced": traced,
-            "ttft_path": {h: _stats(path[h]) for h in order if path.get(h)},
+            "ttft_path": {h: _stats(path[h]) for h in HOPS if path.get(h)},
             "spans": {n: _stats(v) for n, v in sorted(totals.items())}}
 
 
