@@ -195,11 +195,15 @@ def _gathered_extend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         pages = kv_pages[i:i + 1, :-(-ctx // page_size)]
         keys = _gather_pages(k_buf, pages, page_size)[:, :, :ctx]  # [1, Hkv, L_i, D]
         values = _gather_pages(v_buf, pages, page_size)[:, :, :ctx]
-        q_pos = torch.arange(start, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device).view(1, -1) <= q_pos.view(-1, 1)
+        # a fresh prompt beside chunks: its square causal mask as the kernel's flag (the
+        # masked kernel took ~1.45x as long for a 1024-token row on 2 CPU cores)
+        mask = None
+        if start:
+            q_pos = torch.arange(start, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device).view(1, -1) <= q_pos.view(-1, 1)
         out = F.scaled_dot_product_attention(
             q[first:first + n].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
-            scale=scale, enable_gqa=h != keys.shape[1])  # [1, H, n, D]
+            is_causal=not start, scale=scale, enable_gqa=h != keys.shape[1])  # [1, H, n, D]
         outs.append(out[0].transpose(0, 1).reshape(n, h * d))
         first += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)
