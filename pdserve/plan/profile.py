@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -28,7 +29,7 @@ from pdserve.config import EngineConfig
 from pdserve.plan.profile_model import Profile, fit_nonneg
 from pdserve.sampling_params import SamplingParams
 
-QUICK: dict[str, Any] = {"prompts": [32, 128, 384, 768, 1536], "batch_prompts": (4, 256),
+QUICK: dict[str, Any] = {"prompts": [32, 128, 384, 768, 1536], "batch_prompts": (4, 512),
          "decode_batches": [1, 4, 16, 32], "contexts": [64, 768], "decode_tokens": 12,
          "decode_passes": 2, "reps": 3, "transfer_sizes": [64, 512, 2048], "transfer_reps": 3,
          "contention_levels": 2, "contention_s": 1.5}
@@ -79,17 +80,22 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def measure_decode(rec, rng: random.Random, plan: dict, max_running: int,
-                   limit: int) -> list[tuple]:
+                   limit: int, row_limit: Callable[[int], int] | None = None) -> list[tuple]:
     """Decode steps of every (context, batch) shape of `plan`, all shapes once per pass,
     `decode_passes` passes. The fit keeps each shape's fastest step (`best_of`), but one
     shape's steps all run within a second or two: a burst of other work then slows every
     one of them (seen: a 4 x 770-token batch profiled at 63-80 ms, 33 ms when measured
-    again), and the fitted context cost doubled. A later pass measures that shape again."""
+    again), and the fitted context cost doubled. A later pass measures that shape again.
+    `row_limit(ctx)`: the most rows of that context the KV pool holds at once. A batch
+    above it never steps whole (the engine queues the rest), so it is measured at that
+    many rows instead: without it the long contexts kept only their smallest batches, and
+    the context cost, fitted from them, came out at a third of a 10 x 1100-token step's."""
     decode: list[tuple] = []
     for _ in range(plan.get("decode_passes", 1)):
         for ctx in plan["contexts"]:
-            for b in plan["decode_batches"]:
-                b = min(b, max_running)
+            fits = row_limit(min(ctx, limit)) if row_limit is not None else max_running
+            for b in sorted({min(b, max_running, max(1, fits))
+                             for b in plan["decode_batches"]}):
                 pts = rec.run([_ids(rng, min(ctx, limit)) for _ in range(b)],
                               plan["decode_tokens"], rng)
                 decode += [p for p in pts if p[0] == "decode" and p[3] == b][1:]
@@ -114,7 +120,13 @@ def measure_engine(cfg: EngineConfig, plan: dict, log=print) -> tuple[dict, obje
         extend += [p for p in rec.run([_ids(rng, n) for _ in range(k)], 1, rng)
                    if p[0] == "extend"]
     log(f"  prefill: {len(extend)} extend steps measured")
-    decode = measure_decode(rec, rng, plan, cfg.max_running_requests, limit)
+    page = eng.cfg.page_size
+
+    def row_limit(ctx: int) -> int:  # a row's pages: context, the tokens it decodes, reserve
+        tokens = ctx + plan["decode_tokens"] + eng.cfg.decode_reserve_tokens
+        return eng.max_total_tokens // (-(-tokens // page) * page + page)
+
+    decode = measure_decode(rec, rng, plan, cfg.max_running_requests, limit, row_limit)
     log(f"  decode: {len(decode)} decode steps measured")
     slowdown = [1.0]
     if plan.get("contention_levels", 0):

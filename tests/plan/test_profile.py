@@ -97,3 +97,29 @@ def test_a_decode_shape_slowed_in_one_pass_is_fitted_from_the_other():
     _, fitted = fit_steps({"extend": extend, "decode": [list(p) for p in two]})
     assert fitted[2] == pytest.approx(0.002, rel=0.05)  # seconds per 1k context tokens
     assert slowed[2] > 1.5 * fitted[2]  # one pass: the burst inflates the context cost
+
+
+def test_a_batch_the_pool_cannot_hold_is_measured_at_the_rows_it_holds():
+    """`measure_decode` with `row_limit`: a batch of long contexts larger than the KV pool
+    holds never steps whole, so it runs at the rows that fit, and the long contexts keep a
+    large batch to fit the context cost from (without the limit that shape is dropped)."""
+    import random
+
+    from pdserve.plan.profile import measure_decode
+
+    pool = 4000  # tokens: 5 rows of 700 fit, 16 do not
+
+    class Recorder:
+        def run(self, prompts, max_new, rng):
+            b, ctx = len(prompts), len(prompts[0])
+            rows = min(b, pool // (ctx + max_new))  # what the engine admits together
+            return [("decode", rows, rows * (ctx + i), rows, 0.02) for i in range(max_new)]
+
+    plan = {"decode_batches": [1, 4, 16], "contexts": [64, 700], "decode_tokens": 4}
+    kept = measure_decode(Recorder(), random.Random(0), plan, 64, 4096)
+    assert {(p[1], p[2] // p[1] // 100) for p in kept} == {(1, 0), (4, 0), (16, 0), (1, 7),
+                                                           (4, 7)}  # 16 x 700 dropped
+    fits = measure_decode(Recorder(), random.Random(0), plan, 64, 4096,
+                          row_limit=lambda ctx: pool // (ctx + 4))
+    assert (5, 7) in {(p[1], p[2] // p[1] // 100) for p in fits}
+    assert max(p[1] for p in fits if p[2] // p[1] > 600) == 5
