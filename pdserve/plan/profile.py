@@ -122,7 +122,12 @@ def measure_engine(cfg: EngineConfig, plan: dict, log=print) -> tuple[dict, obje
     log(f"  prefill: {len(extend)} extend steps measured")
     page = eng.cfg.page_size
 
-    def row_limit(ctx: int) -> int:  # a row's pages: context, the tokens it decodes, reserve
+    def row_limit(ctx: int) -> int:
+        # A row's pages counted above what the scheduler's admission rule asks (context
+        # plus a decode reservation of at most decode_reserve_tokens): the context, every
+        # token it decodes and a full reservation besides, and one page more. A batch one
+        # row over the pool's edge never steps whole and its shape is lost; one row under
+        # costs nothing.
         tokens = ctx + plan["decode_tokens"] + eng.cfg.decode_reserve_tokens
         return eng.max_total_tokens // (-(-tokens // page) * page + page)
 
